@@ -108,36 +108,6 @@ class ModelConfig:
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
 
-    def to_hf_dict(self) -> dict:
-        """config.json in the Hugging Face spelling."""
-        out = dict(
-            architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4",
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads, num_key_value_heads=1, head_dim=self.head_dim,
-            qk_rope_head_dim=self.rope_dim, partial_rotary_factor=self.rope_dim / self.head_dim,
-            q_lora_rank=self.q_lora_rank, o_groups=self.o_groups, o_lora_rank=self.o_lora_rank,
-            sliding_window=self.window, layer_types=list(self.kinds),
-            compress_rates={CSA: self.csa_ratio, HCA: self.hca_ratio},
-            mlp_layer_types=[HASH_MOE if h else MOE for h in self.hash_layers],
-            rope_theta=self.rope_theta, compress_rope_theta=self.compress_rope_theta,
-            index_n_heads=self.index_n_heads, index_head_dim=self.index_head_dim, index_topk=self.index_topk,
-            n_routed_experts=self.n_experts, num_experts_per_tok=self.n_active, n_shared_experts=self.n_shared,
-            moe_intermediate_size=self.moe_inter, scoring_func="sqrtsoftplus",
-            routed_scaling_factor=self.routed_scaling, swiglu_limit=self.swiglu_limit, hc_mult=self.hc_mult,
-            hc_sinkhorn_iters=self.hc_iters, hc_eps=self.hc_eps, rms_norm_eps=self.eps,
-            bos_token_id=self.bos, eos_token_id=self.eos, num_nextn_predict_layers=self.n_mtp,
-            max_position_embeddings=1 << 20, tie_word_embeddings=False,
-        )
-        main = dict(rope_type="default", rope_theta=self.rope_theta, partial_rotary_factor=self.rope_dim / self.head_dim)
-        comp = dict(main, rope_theta=self.compress_rope_theta)
-        if self.yarn:
-            comp.update(rope_type="yarn", factor=self.yarn.factor, original_max_position_embeddings=self.yarn.original,
-                        beta_fast=self.yarn.beta_fast, beta_slow=self.yarn.beta_slow, attention_factor=1.0)
-        out["rope_parameters"] = dict(main=main, compress=comp)
-        if self.quant:
-            out["quantization_config"] = self.quant
-        return out
-
 
 def _ratio_of(cfg: ModelConfig, kind: str) -> int:
     return next((r for r, k in zip(cfg.ratios, cfg.kinds) if k == kind), {CSA: 4, HCA: 128}[kind])

@@ -1,0 +1,35 @@
+"""The `dsv4rt` command line. Every failure is one line on stderr and a non-zero exit."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+
+class Commands(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
+        except KeyboardInterrupt:
+            click.echo("", err=True)
+            sys.exit(130)
+        except MemoryError:
+            click.echo("error: out of host memory", err=True)
+            sys.exit(1)
+        except (ValueError, OSError, RuntimeError, KeyError) as e:
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            click.echo(f"error: {msg}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=Commands)
+@click.version_option(package_name="dsv4rt")
+def main():
+    """Serve DeepSeek V4 from Python without PyTorch."""
+
+
+from . import chat as _chat, model_tools as _model_tools  # noqa: E402  (they register their commands)
+
+__all__ = ["main"]

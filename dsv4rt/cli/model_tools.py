@@ -1,0 +1,83 @@
+"""Commands that work on a checkpoint: logits, inspect, make-tiny."""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import click
+import numpy as np
+
+from . import main
+from .common import DEVICES, resolve_device, save_npy_atomic
+
+
+def _read_ids(path: str) -> np.ndarray:
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise ValueError(f"{path}: not a readable .npy file ({e})") from None
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or len(ids) == 0:
+        raise ValueError(f"{path}: token ids must be a non-empty 1-D integer array, got {ids.dtype} {ids.shape}")
+    return ids.astype(np.int64)
+
+
+def _parse_chunks(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(c) for c in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--chunks must be comma-separated integers, got '{text}'") from None
+
+
+@main.command()
+@click.argument("model", type=click.Path(file_okay=False))
+@click.option("--ids", "ids_path", required=True, type=click.Path(dir_okay=False), help="int .npy of token ids")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="float32 .npy [T, vocab]")
+@click.option("--chunks", help="prefill chunk sizes, e.g. 40,1,56 (default: one chunk)")
+@click.option("--device", type=click.Choice(DEVICES), default="auto")
+@click.option("--numerics", type=click.Choice(["exact", "faithful"]), help="default: faithful for fp8 checkpoints")
+def logits(model, ids_path, out, chunks, device, numerics):
+    """Write the logits of every position of a prompt, fed in the given chunks."""
+    from ..reference import load_model
+    resolve_device(device)
+    ids = _read_ids(ids_path)
+    chunk_sizes = _parse_chunks(chunks)
+    if not Path(out).resolve().parent.is_dir():
+        raise ValueError(f"--out: folder {Path(out).parent} does not exist")
+    m = load_model(model, numerics)
+    save_npy_atomic(out, m.logits_chunked(ids, chunk_sizes).astype(np.float32))
+
+
+@main.command()
+@click.argument("model", type=click.Path(file_okay=False))
+def inspect(model):
+    """List a checkpoint's tensors, dtypes, layer kinds and parameter counts."""
+    from ..loader import Checkpoint
+    with Checkpoint.open(model) as ck:
+        cfg = ck.config
+        names = sorted(ck.names())
+        for n in names:
+            click.echo(f"{n:60s} {ck.stored_dtype(n):8s} {list(ck.logical_shape(n))}")
+        counts = {n: int(np.prod(ck.logical_shape(n))) for n in names}
+        dtypes = Counter(ck.stored_dtype(n) for n in names)
+    total = sum(counts.values())
+    experts = sum(c for n, c in counts.items() if ".ffn.experts." in n)
+    per_token = total - experts + experts * cfg.n_active // cfg.n_experts
+    click.echo(f"\nlayers: {cfg.num_layers} = " + ", ".join(
+        f"{cfg.kinds.count(k)} {k}" for k in dict.fromkeys(cfg.kinds)))
+    click.echo("layer kinds: " + " ".join(
+        f"{i}:{'sliding' if r == 0 else f'c{r}a'}{'/hash' if h else ''}"
+        for i, (r, h) in enumerate(zip(cfg.ratios, cfg.hash_layers))))
+    click.echo(f"tensors: {len(names)} ({', '.join(f'{v} {k}' for k, v in sorted(dtypes.items()))})")
+    click.echo(f"parameters: {total:,} total, {experts:,} in routed experts, {per_token:,} active per token")
+
+
+@main.command("make-tiny")
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--preset", default="demo", show_default=True)
+@click.option("--seed", default=0, show_default=True, type=int)
+def make_tiny_cmd(out, preset, seed):
+    """Write a random small model (official names and dtypes, the V4 tokenizer)."""
+    from ..tiny import make_tiny
+    click.echo(f"wrote {make_tiny(out, preset, seed)}")

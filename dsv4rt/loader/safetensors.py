@@ -1,0 +1,134 @@
+"""Safetensors reader: our own header parser, tensors as zero-copy views of a read-only mmap."""
+from __future__ import annotations
+
+import json
+import math
+import mmap
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+DTYPES = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E8M0": np.dtype(getattr(ml_dtypes, "float8_e8m0fnu", np.uint8)),
+    "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I16": np.dtype(np.int16), "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+}
+_FIELDS = ("dtype", "shape", "data_offsets")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # byte offsets relative to the start of the data section
+    end: int
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _unique_keys(pairs):
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise CheckpointError(f"key {k!r} appears twice in the header")
+        out[k] = v
+    return out
+
+
+def parse_header(buf, where: str) -> tuple[dict[str, TensorInfo], int]:
+    """Validate the header of a safetensors image `buf`; returns the tensors and the data section's offset."""
+    size = len(buf)
+    if size < 8:
+        raise CheckpointError(f"{where}: file is {size} bytes, too short for a safetensors header")
+    n = int.from_bytes(buf[:8], "little")
+    if n > size - 8:
+        raise CheckpointError(f"{where}: header length {n} runs past the end of the {size}-byte file")
+    try:
+        header = json.loads(bytes(buf[8:8 + n]).decode("utf-8"), object_pairs_hook=_unique_keys)
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{where}: header is not valid JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{where}: header is not a JSON object")
+    data_size = size - 8 - n
+    tensors = {name: _entry(name, e, data_size, where) for name, e in header.items() if name != "__metadata__"}
+    spans = sorted((t.begin, t.end, name) for name, t in tensors.items() if t.end > t.begin)
+    for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
+        if begin_b < end_a:
+            raise CheckpointError(f"{where}: tensors {a!r} and {b!r} overlap")
+    return tensors, 8 + n
+
+
+def _entry(name: str, e, data_size: int, where: str) -> TensorInfo:
+    def bad(why):
+        return CheckpointError(f"{where}: tensor {name!r} {why}")
+    if not isinstance(e, dict):
+        raise bad("has an entry that is not a JSON object")
+    for f in _FIELDS:
+        if f not in e:
+            raise bad(f"is missing '{f}'")
+    dtype, shape, offs = (e[f] for f in _FIELDS)
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise bad(f"has unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise bad(f"has invalid shape {shape!r} (need a list of non-negative integers)")
+    if not isinstance(offs, list) or len(offs) != 2 or not all(_is_int(o) for o in offs):
+        raise bad(f"has invalid data_offsets {offs!r} (need [begin, end])")
+    begin, end = offs
+    if end < begin:
+        raise bad(f"has data_offsets {offs} whose end comes before its begin")
+    if begin < 0 or end > data_size:
+        raise bad(f"has data_offsets {offs} outside the {data_size}-byte data section")
+    need = math.prod(shape) * DTYPES[dtype].itemsize
+    if end - begin != need:
+        raise bad(f"holds {end - begin} bytes but {dtype} {shape} needs {need}")
+    return TensorInfo(dtype, tuple(shape), begin, end)
+
+
+class SafetensorsFile:
+    """One .safetensors file, mapped read-only; `array()` returns views into the mapping."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                size = f.seek(0, 2)
+                # mmap refuses empty files; the parser reports them instead
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: cannot open ({e.strerror})") from None
+        try:
+            self.tensors, self._data = parse_header(self._mm, str(self.path))
+        except CheckpointError:
+            self.close()
+            raise
+
+    def array(self, name: str) -> np.ndarray:
+        t = self.tensors[name]
+        dt = DTYPES[t.dtype]
+        return np.frombuffer(self._mm, dt, (t.end - t.begin) // dt.itemsize, self._data + t.begin).reshape(t.shape)
+
+    def close(self):
+        if isinstance(self._mm, mmap.mmap):
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # arrays still view the mapping; it is unmapped when the last one is freed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,91 @@
+"""Random small DeepSeek V4 checkpoints in the official names and dtypes, with the V4 tokenizer."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+from .config import CSA, HASH_MOE, HCA, MOE, SLIDING, from_dict
+from .loader import expected_shapes
+
+_BASE = dict(
+    vocab_size=129280, num_key_value_heads=1, rope_theta=10000.0, compress_rope_theta=160000.0,
+    rope_scaling=dict(type="yarn", factor=16, original_max_position_embeddings=65536, beta_fast=32, beta_slow=1),
+    compress_rates={CSA: 4, HCA: 128}, sliding_window=128, n_shared_experts=1, scoring_func="sqrtsoftplus",
+    routed_scaling_factor=1.5, swiglu_limit=10.0, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,
+    bos_token_id=0, eos_token_id=1,
+)
+
+PRESETS = {
+    # the built-in chat model: every layer kind at the real ratios, small enough for a CPU
+    "demo": dict(_BASE, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, head_dim=64,
+                 qk_rope_head_dim=16, q_lora_rank=64, o_groups=2, o_lora_rank=64,
+                 layer_types=[SLIDING, CSA, HCA, CSA], mlp_layer_types=[HASH_MOE, MOE, MOE, MOE],
+                 index_n_heads=8, index_head_dim=32, index_topk=16, n_routed_experts=8,
+                 num_experts_per_tok=2, moe_intermediate_size=128, hc_mult=4),
+    # the smallest model with the real vocabulary, for command-line tests
+    "tiny": dict(_BASE, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, head_dim=32,
+                 qk_rope_head_dim=16, q_lora_rank=32, o_groups=1, o_lora_rank=32,
+                 layer_types=[HCA, SLIDING, CSA], mlp_layer_types=[HASH_MOE, MOE, MOE],
+                 index_n_heads=4, index_head_dim=16, index_topk=8, n_routed_experts=4,
+                 num_experts_per_tok=2, moe_intermediate_size=32, hc_mult=2),
+}
+
+_FP32 = ("ape", "attn_sink", "gate.bias")  # the rest of the float tensors are bf16, as released
+
+
+def _is_fp32(name: str) -> bool:
+    return name.endswith(_FP32) or name.split(".")[-1].startswith("hc_")
+
+
+def _random(name: str, shape, rng: np.random.Generator, n_experts: int) -> np.ndarray:
+    leaf = name.split(".")[-1]
+    if name.endswith("tid2eid"):
+        return np.stack([rng.permutation(n_experts)[:shape[1]] for _ in range(shape[0])]).astype(np.int32)
+    if name.endswith("norm.weight"):
+        x = 1.0 + 0.2 * rng.standard_normal(shape)
+    elif leaf.endswith("_scale"):
+        x = 0.5 + rng.random(shape)
+    elif leaf == "attn_sink" or name == "embed.weight":
+        x = rng.standard_normal(shape)
+    elif leaf in ("ape", "bias") or leaf.endswith("_base"):
+        x = (0.1 if leaf == "bias" else 0.5) * rng.standard_normal(shape)
+    else:
+        x = rng.standard_normal(shape) / np.sqrt(shape[-1])
+    return x.astype(np.float32 if _is_fp32(name) else ml_dtypes.bfloat16)
+
+
+def make_tiny(out: str | Path, preset: str = "demo", seed: int = 0) -> Path:
+    """Write the checkpoint into `out` atomically: a temporary sibling folder renamed at the end."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset '{preset}' (choose from {', '.join(PRESETS)})")
+    from .chat import tokenizer_json_path
+    out = Path(out)
+    if out.exists():
+        raise ValueError(f"{out} already exists; choose a new folder")
+    raw = PRESETS[preset]
+    cfg = from_dict(raw)
+    rng = np.random.default_rng(seed)
+    tensors = {n: _random(n, s, rng, cfg.n_experts) for n, s in expected_shapes(cfg).items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "np"})
+        (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+        shutil.copyfile(tokenizer_json_path(), tmp / "tokenizer.json")
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in tmp.iterdir():
+            f.chmod(0o666 & ~umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

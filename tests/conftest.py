@@ -1,0 +1,17 @@
+from pathlib import Path
+
+import numpy as np
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TINY_A = FIXTURES / "tiny-a"
+REAL_RATIOS = FIXTURES / "real-ratios"
+
+
+def rel_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """‖a−b‖/‖b‖ per row (last axis), after checking that inf/NaN sit in the same places."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape
+    assert np.array_equal(np.isfinite(a), np.isfinite(b))
+    a, b = np.where(np.isfinite(a), a, 0), np.where(np.isfinite(b), b, 0)
+    return np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
+
