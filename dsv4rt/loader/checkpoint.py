@@ -82,8 +82,9 @@ class Checkpoint:
         if fmt is None:
             return self.raw(name).astype(np.float32)
         decode = dequant_fp8 if fmt == "fp8" else dequant_fp4
+        scale = self.raw(self._scale_of(name, fmt))
         try:
-            return decode(self.raw(name), self.raw(self._scale_of(name, fmt)))
+            return decode(self.raw(name), scale)
         except ValueError as e:
             raise CheckpointError(f"checkpoint {self.root}: {name}: {e}") from None
 
@@ -92,8 +93,7 @@ class Checkpoint:
         want = expected_shapes(self.config)
         missing = [n for n in want if n not in self._table]
         if missing:
-            raise CheckpointError(f"checkpoint {self.root} is missing {len(missing)} tensor"
-                                  f"{'s' * (len(missing) > 1)}: {', '.join(missing)}")
+            raise CheckpointError(f"checkpoint {self.root} is missing {_tensors(missing)}: {', '.join(missing)}")
         wrong = [f"{n} is {list(self.logical_shape(n))}, config implies {list(s)}"
                  for n, s in want.items() if self.logical_shape(n) != s]
         if wrong:
@@ -105,7 +105,7 @@ class Checkpoint:
         extra = [n for n in self.names() if n not in known]
         if extra:
             shown = ", ".join(extra[:10]) + (", ..." if len(extra) > 10 else "")
-            raise CheckpointError(f"checkpoint {self.root} holds {len(extra)} tensors the config does not expect: {shown}")
+            raise CheckpointError(f"checkpoint {self.root} holds {_tensors(extra)} the config does not expect: {shown}")
 
     def close(self):
         for f in self._files:
@@ -153,6 +153,10 @@ class Checkpoint:
             raise CheckpointError(f"{where} must be a float tensor, found {dtype}")
 
 
+def _tensors(names: list) -> str:
+    return f"{len(names)} tensor{'s' * (len(names) != 1)}"
+
+
 def _add(table: dict, root: Path, cfg: ModelConfig, f: SafetensorsFile, stored: str):
     name = to_official(stored)
     m = _LAYER.match(name or "")
@@ -187,10 +191,13 @@ def _index(root: Path) -> list[tuple[Path, list[str]]]:
     wmap = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
         raise CheckpointError(f"{where}: needs a 'weight_map' object of tensor name -> shard file")
-    shards: dict[str, list[str]] = {}
+    by_name: dict[str, list[str]] = {}
     for name, shard in wmap.items():
-        shards.setdefault(shard, []).append(name)
-    return [(_shard_path(root, shard, where), names) for shard, names in shards.items()]
+        by_name.setdefault(shard, []).append(name)
+    by_path: dict[Path, list[str]] = {}  # two spellings of one shard must not open it twice
+    for shard, names in by_name.items():
+        by_path.setdefault(_shard_path(root, shard, where).resolve(), []).extend(names)
+    return list(by_path.items())
 
 
 def _shard_path(root: Path, shard: str, where: Path) -> Path:
