@@ -1,6 +1,8 @@
 """The command line end to end: logits, inspect, make-tiny, chat; bad input gives one line and exit 1."""
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -195,3 +197,17 @@ def test_chat_creates_demo_model_once(tmp_path):
     assert (tmp_path / "dsv4rt" / "demo" / "model.safetensors").exists()
     r = dsv4rt("chat", "-p", "Hi", "--max-new-tokens", "3", "--seed", "0", env=env)
     assert r.returncode == 0 and "creating" not in r.stderr
+
+
+def test_ctrl_c_stops_the_reply_and_the_chat_goes_on(tiny_model):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.Popen([sys.executable, "-m", "dsv4rt", "chat", tiny_model, "--max-new-tokens", "100000"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    p.stdin.write(b"Tell me a long story\n")
+    p.stdin.flush()
+    assert select.select([p.stdout], [], [], 120)[0], "no reply started"
+    os.read(p.stdout.fileno(), 1)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(b"/help\n", timeout=120)
+    assert p.returncode == 0, err
+    assert b"[stopped]" in out and b"/system TEXT" in out and b"Traceback" not in err
