@@ -15,3 +15,14 @@ def rel_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a, b = np.where(np.isfinite(a), a, 0), np.where(np.isfinite(b), b, 0)
     return np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
 
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run only where a device is visible."""
+    import pytest
+    from dsv4rt.cuda.driver import gpu_visible
+    if any("gpu" in item.keywords for item in items) and not gpu_visible():
+        skip = pytest.mark.skip(reason="no NVIDIA GPU visible")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)

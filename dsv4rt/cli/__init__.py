@@ -30,6 +30,7 @@ def main():
     """Serve DeepSeek V4 from Python without PyTorch."""
 
 
-from . import chat as _chat, model_tools as _model_tools  # noqa: E402  (they register their commands)
+# the command modules register themselves on `main`
+from . import build, chat, model_tools, plan  # noqa: E402,F401
 
 __all__ = ["main"]

@@ -1,0 +1,72 @@
+// Device helpers shared by the kernels in this folder.
+//
+// Kernels are templates over the storage type T (float or __nv_bfloat16) and compute in fp32,
+// so a float build runs the same code as the bf16 one. Each .cu file names the instantiations
+// to compile in comment lines that dsv4rt/cuda/build.py reads and hands to NVRTC:
+//   // dsv4rt-instantiate: rmsnorm<float> rmsnorm<__nv_bfloat16>
+// Expressions are separated by whitespace, so write none inside one (gemm<float,128>).
+// Block reductions need blockDim.x to be a multiple of 32.
+#pragma once
+#include <cuda_bf16.h>
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// Elements of T in one 16-byte access, the widest single load or store.
+template <typename T> constexpr int kVec = 16 / sizeof(T);
+
+__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<unsigned long long>(p) & 15) == 0; }
+
+// N elements from a 16-byte aligned p, converted to float.
+template <typename T, int N>
+__device__ __forceinline__ void load_vec(const T* p, float (&v)[N]) {
+    static_assert(N % kVec<T> == 0, "whole 16-byte chunks");
+#pragma unroll
+    for (int c = 0; c < N / kVec<T>; ++c) {
+        const uint4 raw = reinterpret_cast<const uint4*>(p)[c];
+        const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int i = 0; i < kVec<T>; ++i) v[c * kVec<T> + i] = to_float(e[i]);
+    }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_vec(T* p, const float (&v)[N]) {
+    static_assert(N % kVec<T> == 0, "whole 16-byte chunks");
+#pragma unroll
+    for (int c = 0; c < N / kVec<T>; ++c) {
+        uint4 raw;
+        T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+        for (int i = 0; i < kVec<T>; ++i) e[i] = from_float<T>(v[c * kVec<T> + i]);
+        reinterpret_cast<uint4*>(p)[c] = raw;
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// The block's total, returned to every thread; the last barrier lets the next call reuse `partial`.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = warp_sum(lane < (blockDim.x >> 5) ? partial[lane] : 0.f);
+    __syncthreads();
+    return v;
+}
