@@ -32,8 +32,8 @@ class CacheKind:
     page_bytes: int            # what the page's entries fill; the page occupies class_page_bytes
     size_class: int
     class_page_bytes: int
-    stride: int = 0            # sliding kinds: a new window starts every `stride` positions...
-    width: int = 0             # ...and a step reads the last `width` positions of it; 0: keeps every page
+    stride: int = 0            # sliding kinds: the compression ratio (1 for the window)...
+    width: int = 0             # ...and the positions one pooled entry or query spans; 0: keeps every page
 
     @property
     def sliding(self) -> bool:
@@ -92,12 +92,6 @@ class KVPlan:
     numerics: str
     class_page_bytes: tuple[int, int, int]
     kinds: tuple[CacheKind, ...]
-
-    def kind(self, name: str) -> CacheKind:
-        for k in self.kinds:
-            if k.name == name:
-                return k
-        raise KeyError(f"no cache kind '{name}' in this plan")
 
     @property
     def bytes_per_token(self) -> float:
