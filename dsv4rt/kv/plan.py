@@ -129,23 +129,24 @@ class KVPlan:
                     class_names=list(CLASS_NAMES), kinds=kinds)
 
 
-def main_entry_bytes(cfg: ModelConfig, numerics: str) -> int:
+def main_entry_bytes(cfg: ModelConfig, numerics: str, element_bytes: int = 2) -> int:
+    """element_bytes: exact numerics store bf16 (2); the float32 test build of the kernels stores 4."""
     if numerics == "exact":
-        return 2 * cfg.head_dim
+        return element_bytes * cfg.head_dim
     nope = cfg.head_dim - cfg.rope_dim   # e4m3 bytes, a ue8m0 scale per 64; rope dims stay bf16
     return _round_up(nope + 2 * cfg.rope_dim + -(-nope // 64), 8)
 
 
-def indexer_entry_bytes(cfg: ModelConfig, numerics: str) -> int:
+def indexer_entry_bytes(cfg: ModelConfig, numerics: str, element_bytes: int = 2) -> int:
     d = cfg.index_head_dim
-    return 2 * d if numerics == "exact" else -(-d // 2) + -(-d // 32)   # e2m1 pairs, a ue8m0 scale per 32
+    return element_bytes * d if numerics == "exact" else -(-d // 2) + -(-d // 32)   # e2m1 pairs, a ue8m0 scale per 32
 
 
 def default_numerics(cfg: ModelConfig) -> str:
     return "faithful" if cfg.quant else "exact"
 
 
-def build_plan(cfg: ModelConfig, numerics: str | None = None) -> KVPlan:
+def build_plan(cfg: ModelConfig, numerics: str | None = None, element_bytes: int = 2) -> KVPlan:
     numerics = numerics or default_numerics(cfg)
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got '{numerics}'")
@@ -153,7 +154,8 @@ def build_plan(cfg: ModelConfig, numerics: str | None = None) -> KVPlan:
     for r in (csa, hca):
         if BLOCK_POSITIONS % r:
             raise ValueError(f"compress ratio {r} does not divide the {BLOCK_POSITIONS}-position block")
-    main, index = main_entry_bytes(cfg, numerics), indexer_entry_bytes(cfg, numerics)
+    main = main_entry_bytes(cfg, numerics, element_bytes)
+    index = indexer_entry_bytes(cfg, numerics, element_bytes)
     # Class pages follow from the geometry alone, so a model without c4a or c128a layers still gets
     # three classes (an empty class simply never carves a slab).
     classes = (_round_up(max(WINDOW_PAGE_TOKENS, BLOCK_POSITIONS // csa) * main, PAGE_ALIGN),

@@ -1,0 +1,241 @@
+// dsv4rt-instantiate: sparse_attention<float> sparse_attention<__nv_bfloat16>
+// dsv4rt-instantiate: attention_combine<float> attention_combine<__nv_bfloat16>
+#include "attention.cuh"
+
+// K = V is one vector per key shared by every head (MQA), so a block serves one query token and
+// kBlockHeads of its heads: each key crosses from the cache into shared memory once per block, and each
+// warp holds kHeadsPerWarp heads so that one read of a key from shared memory feeds two dot products.
+constexpr int kAttnWarps = 4, kHeadsPerWarp = 2, kBlockHeads = kAttnWarps * kHeadsPerWarp;
+// Keys per shared-memory tile: 16 KB at head_dim 512, two tiles in flight (cp.async double buffering).
+template <typename T> constexpr int kTileKeys = 16384 / (kMaxHeadDim * static_cast<int>(sizeof(T)));
+constexpr int kCombineWarps = 8;
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }  // NVRTC lacks INFINITY
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all_but_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
+
+// The candidate keys of one query row at position m of request r, in the order window, compressed:
+// window entries lo .. m, then compressed entries 0 .. visible-1 (selected == nullptr) or the row's
+// top_k indexer choices (entries < 0 or not yet visible are absent). Pages not held are absent too.
+struct Candidates {
+    const char* win_base;
+    const long long* win_pages;
+    int win_per_page, win_bytes;
+    const char* cmp_base;
+    const long long* cmp_pages;
+    int cmp_per_page, cmp_bytes;
+    const int* selected;
+    int lo, n_window, visible, count;
+
+    __device__ __forceinline__ const char* entry(int k) const {
+        const char* base = win_base;
+        const long long* pages = win_pages;
+        int per_page = win_per_page, bytes = win_bytes, e = lo + k;
+        if (k >= n_window) {
+            e = selected ? selected[k - n_window] : k - n_window;
+            if (e < 0 || e >= visible) return nullptr;
+            base = cmp_base, pages = cmp_pages, per_page = cmp_per_page, bytes = cmp_bytes;
+        }
+        const long long page = pages[e / per_page];
+        return page < 0 ? nullptr : base + page + static_cast<long long>(e % per_page) * bytes;
+    }
+};
+
+// One softmax over window + compressed keys + sink per (query token, head), K = V, then inverse RoPE.
+// grid (rows, ceil(heads / kBlockHeads), splits), block kAttnWarps * 32, dynamic shared memory
+// 2 * kTileKeys<T> * hd * sizeof(T). Split z takes a contiguous share of the row's candidates; with one
+// split the block writes out [rows, heads, hd]; with more it writes its unnormalised sum, running max and
+// denominator to part_o [rows, heads, splits, hd] and part_ml [rows, heads, splits] for attention_combine.
+// A row with req < 0 has no candidates: it writes zeros (or empty partials) and reads no cache.
+template <typename T>
+__global__ void __launch_bounds__(kAttnWarps * 32)
+sparse_attention(T* out, float* part_o, float2* part_ml, const T* q, const int* positions, const int* req,
+                 const float* sink, const float* inv_freq,
+                 const char* win_base, const long long* win_pages, const int* win_start, int win_per_page,
+                 int win_bytes, const char* cmp_base, const long long* cmp_pages, const int* cmp_start,
+                 int cmp_per_page, int cmp_bytes,
+                 const int* selected, int top_k, int ratio, int window, int heads, int hd, int rd, float scale) {
+    constexpr int V = kVec<T>, C = kLaneChunks<T>, TILE = kTileKeys<T>, HPW = kHeadsPerWarp;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* tiles = reinterpret_cast<T*>(smem_raw);  // [2][TILE][hd]
+    __shared__ bool present[2][TILE];
+    const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int r = req[t], m = positions[t];
+
+    Candidates cand{win_base, nullptr, win_per_page, win_bytes, cmp_base, nullptr, cmp_per_page, cmp_bytes,
+                    nullptr, 0, 0, 0, 0};
+    if (r >= 0) {
+        cand.win_pages = win_pages + win_start[r];
+        cand.lo = max(0, m - window + 1);
+        cand.n_window = m - cand.lo + 1;
+        if (ratio > 0) {
+            cand.cmp_pages = cmp_pages + cmp_start[r];
+            cand.visible = (m + 1) / ratio;
+            cand.selected = selected ? selected + static_cast<long long>(t) * top_k : nullptr;
+        }
+        cand.count = cand.n_window + (ratio <= 0 ? 0 : selected ? top_k : cand.visible);
+    }
+    const int share = ((cand.count + gridDim.z - 1) / gridDim.z + TILE - 1) / TILE * TILE;
+    const int k_begin = min(cand.count, static_cast<int>(blockIdx.z) * share);
+    const int k_end = min(cand.count, k_begin + share);
+    const int n_tiles = (k_end - k_begin + TILE - 1) / TILE;
+    const bool split = part_o != nullptr;
+
+    // Running state per head: with one split the sink enters as a key of value zero (max sink, sum 1).
+    float qv[HPW][C][V], o[HPW][C][V], mx[HPW], l[HPW];
+#pragma unroll
+    for (int hh = 0; hh < HPW; ++hh) {
+        const int h = blockIdx.y * kBlockHeads + warp * HPW + hh;
+        const bool active = h < heads;
+        load_lane_row(q + (static_cast<long long>(t) * heads + (active ? h : 0)) * hd, hd, lane, qv[hh]);
+#pragma unroll
+        for (int i = 0; i < C; ++i)
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                qv[hh][i][j] = active ? qv[hh][i][j] : 0.f;
+                o[hh][i][j] = 0.f;
+            }
+        mx[hh] = split ? neg_inf() : (active ? sink[h] : 0.f);
+        l[hh] = split ? 0.f : 1.f;
+    }
+
+    auto load_tile = [&](int k0, int buf) {
+        for (int j = warp; j < TILE; j += kAttnWarps) {
+            const int k = k0 + j;
+            const char* src = k < k_end ? cand.entry(k) : nullptr;
+            if (lane == 0) present[buf][j] = src != nullptr;
+            if (src)
+                for (int c = lane; c * V < hd; c += 32) cp_async16(tiles + (buf * TILE + j) * hd + c * V, src + c * 16);
+        }
+        cp_async_commit();
+    };
+    auto load_key = [&](const T* row, float (&k)[C][V]) { load_lane_row(row, hd, lane, k); };
+
+    if (n_tiles > 0) load_tile(k_begin, 0);
+    for (int it = 0; it < n_tiles; ++it) {
+        if (it + 1 < n_tiles)
+            load_tile(k_begin + (it + 1) * TILE, (it + 1) & 1);
+        else
+            cp_async_commit();
+        cp_async_wait_all_but_one();
+        __syncthreads();
+        const T* tile = tiles + (it & 1) * TILE * hd;
+        const bool* here = present[it & 1];
+
+        float s[HPW][TILE];
+#pragma unroll
+        for (int j = 0; j < TILE; ++j) {
+#pragma unroll
+            for (int hh = 0; hh < HPW; ++hh) s[hh][j] = neg_inf();
+            if (!here[j]) continue;
+            float k[C][V];
+            load_key(tile + j * hd, k);
+#pragma unroll
+            for (int hh = 0; hh < HPW; ++hh) {
+                float dot = 0.f;
+#pragma unroll
+                for (int i = 0; i < C; ++i)
+#pragma unroll
+                    for (int e = 0; e < V; ++e) dot += qv[hh][i][e] * k[i][e];
+                s[hh][j] = warp_sum(dot) * scale;
+            }
+        }
+        // One rescale per tile: the new maximum covers every present key of it.
+#pragma unroll
+        for (int hh = 0; hh < HPW; ++hh) {
+            float top = neg_inf();
+#pragma unroll
+            for (int j = 0; j < TILE; ++j) top = fmaxf(top, s[hh][j]);
+            if (top == neg_inf()) continue;
+            const float next = fmaxf(mx[hh], top), a = expf(mx[hh] - next);
+            mx[hh] = next;
+            l[hh] *= a;
+#pragma unroll
+            for (int i = 0; i < C; ++i)
+#pragma unroll
+                for (int e = 0; e < V; ++e) o[hh][i][e] *= a;
+        }
+#pragma unroll
+        for (int j = 0; j < TILE; ++j) {
+            if (!here[j]) continue;
+            float k[C][V];
+            load_key(tile + j * hd, k);
+#pragma unroll
+            for (int hh = 0; hh < HPW; ++hh) {
+                const float p = expf(s[hh][j] - mx[hh]);
+                l[hh] += p;
+#pragma unroll
+                for (int i = 0; i < C; ++i)
+#pragma unroll
+                    for (int e = 0; e < V; ++e) o[hh][i][e] += p * k[i][e];
+            }
+        }
+        __syncthreads();  // the next iteration refills this buffer
+    }
+
+#pragma unroll
+    for (int hh = 0; hh < HPW; ++hh) {
+        const int h = blockIdx.y * kBlockHeads + warp * HPW + hh;
+        if (h >= heads) continue;
+        const long long row = static_cast<long long>(t) * heads + h;
+        if (split) {
+            const long long part = row * gridDim.z + blockIdx.z;
+#pragma unroll
+            for (int i = 0; i < C; ++i) {
+                const int d0 = (lane + 32 * i) * V;
+                if (d0 < hd) store_vec(part_o + part * hd + d0, o[hh][i]);
+            }
+            if (lane == 0) part_ml[part] = make_float2(mx[hh], l[hh]);
+        } else {
+#pragma unroll
+            for (int i = 0; i < C; ++i) {
+                const int d0 = (lane + 32 * i) * V;
+                if (d0 >= hd) continue;
+#pragma unroll
+                for (int e = 0; e < V; ++e) o[hh][i][e] /= l[hh];
+                rope_chunk(o[hh][i], d0, hd, rd, m, inv_freq, true);
+                store_vec(out + row * hd + d0, o[hh][i]);
+            }
+        }
+    }
+}
+
+// Merges the splits of sparse_attention with the sink, normalises, applies the inverse RoPE and writes
+// out [rows, heads, hd]: a warp per (token, head), grid ceil(rows * heads / kCombineWarps).
+template <typename T>
+__global__ void __launch_bounds__(kCombineWarps * 32)
+attention_combine(T* out, const float* part_o, const float2* part_ml, const float* sink, const int* positions,
+                  const float* inv_freq, int rows, int heads, int hd, int rd, int splits) {
+    constexpr int V = kVec<T>, C = kLaneChunks<T>;
+    const int lane = threadIdx.x & 31;
+    const long long row = static_cast<long long>(blockIdx.x) * kCombineWarps + (threadIdx.x >> 5);
+    if (row >= static_cast<long long>(rows) * heads) return;
+    const int h = static_cast<int>(row % heads), pos = positions[row / heads];
+    const float2* ml = part_ml + row * splits;
+    float top = sink[h];
+    for (int z = 0; z < splits; ++z) top = fmaxf(top, ml[z].x);
+    float l = expf(sink[h] - top), o[C][V] = {};
+    for (int z = 0; z < splits; ++z) {
+        const float a = expf(ml[z].x - top);
+        l += ml[z].y * a;
+        float part[C][V];
+        load_lane_row(part_o + (row * splits + z) * hd, hd, lane, part);
+#pragma unroll
+        for (int i = 0; i < C; ++i)
+#pragma unroll
+            for (int e = 0; e < V; ++e) o[i][e] += a * part[i][e];
+    }
+#pragma unroll
+    for (int i = 0; i < C; ++i) {
+        const int d0 = (lane + 32 * i) * V;
+        if (d0 >= hd) continue;
+#pragma unroll
+        for (int e = 0; e < V; ++e) o[i][e] /= l;
+        rope_chunk(o[i], d0, hd, rd, pos, inv_freq, true);
+        store_vec(out + row * hd + d0, o[i]);
+    }
+}

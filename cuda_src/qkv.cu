@@ -1,0 +1,64 @@
+// dsv4rt-instantiate: qkv_norm_rope_insert<float> qkv_norm_rope_insert<__nv_bfloat16>
+#include "attention.cuh"
+
+constexpr int kQkvWarps = 8;
+
+// Fusion 3 (MODEL.md section 4), one launch with static warp dispatch: warp w < rows*heads owns query
+// head (w / heads, w % heads), warp rows*heads + t owns token t's kv row. Warps never talk to each other.
+//   q [rows, heads, hd] in place: q = rope(q * rsqrt(mean(q^2) + eps), pos)
+//   kv [rows, hd] -> rope(rmsnorm(kv, kv_weight), pos), stored at window-cache entry pos of the token's request.
+// Rows with req < 0 are padding: their warps touch nothing. A kv row whose page is not held is not stored.
+template <typename T>
+__global__ void __launch_bounds__(kQkvWarps * 32)
+qkv_norm_rope_insert(T* q, const T* kv, const float* kv_weight, const int* positions, const int* req,
+                     const float* inv_freq, char* window_base, const long long* window_pages, const int* page_start,
+                     int per_page, int entry_bytes, int rows, int heads, int hd, int rd, float eps) {
+    constexpr int V = kVec<T>, C = kLaneChunks<T>;
+    const int lane = threadIdx.x & 31;
+    const long long w = static_cast<long long>(blockIdx.x) * kQkvWarps + (threadIdx.x >> 5);
+    const long long q_rows = static_cast<long long>(rows) * heads;
+    if (w >= q_rows + rows) return;
+    const bool is_q = w < q_rows;
+    const int t = is_q ? static_cast<int>(w / heads) : static_cast<int>(w - q_rows);
+    const int r = req[t];
+    if (r < 0) return;
+    const int pos = positions[t];
+
+    const T* src;
+    T* dst;
+    if (is_q) {
+        dst = q + w * hd;
+        src = dst;
+    } else {
+        const long long page = window_pages[page_start[r] + pos / per_page];
+        if (page < 0) return;
+        src = kv + static_cast<long long>(t) * hd;
+        dst = reinterpret_cast<T*>(window_base + page + static_cast<long long>(pos % per_page) * entry_bytes);
+    }
+
+    float v[C][V];
+    load_lane_row(src, hd, lane, v);
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < C; ++i)
+#pragma unroll
+        for (int j = 0; j < V; ++j) ss += v[i][j] * v[i][j];
+    const float scale = rsqrtf(warp_sum(ss) / hd + eps);
+
+#pragma unroll
+    for (int i = 0; i < C; ++i) {
+        const int d0 = (lane + 32 * i) * V;
+        if (d0 >= hd) continue;
+        float g[V];  // the query norm has no weight: times 1 is exact
+        if (is_q) {
+#pragma unroll
+            for (int j = 0; j < V; ++j) g[j] = 1.f;
+        } else {
+            load_vec(kv_weight + d0, g);
+        }
+#pragma unroll
+        for (int j = 0; j < V; ++j) v[i][j] = v[i][j] * scale * g[j];
+        rope_chunk(v[i], d0, hd, rd, pos, inv_freq, false);
+        store_vec(dst + d0, v[i]);
+    }
+}

@@ -1,0 +1,127 @@
+"""Launchers of the attention family: fusion 3 (cuda_src/qkv.cu) and sparse attention (cuda_src/attention.cu)."""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cuda.device import Device, Launch, Stream
+from ..cuda.ops import storage_name
+
+MAX_HEAD_DIM = 512             # kMaxHeadDim: a warp keeps one head row in registers
+BLOCK_HEADS = 8                # kBlockHeads of attention.cu
+ATTENTION_THREADS = 128        # kAttnWarps * 32
+TILE_BYTES = 16384             # one shared-memory key tile at head_dim 512; two are in flight
+QKV_WARPS = 8
+COMBINE_WARPS = 8
+
+_QKV = tuple(f"qkv_norm_rope_insert<{t}>" for t in ("float", "__nv_bfloat16"))
+_ATTENTION = tuple(f"{k}<{t}>" for k in ("sparse_attention", "attention_combine") for t in ("float", "__nv_bfloat16"))
+
+
+@dataclass(frozen=True)
+class PagedCache:
+    """One cache kind of one layer for a batch of requests: entry e of request r lies at
+    base + pages[page_start[r] + e // per_page] + (e % per_page) * entry_bytes (pages: int64 byte
+    offsets, -1 where not held; page_start: int32 per request)."""
+    base: int
+    pages: int
+    page_start: int
+    per_page: int
+    entry_bytes: int
+
+    def args(self) -> list:
+        return [ctypes.c_void_p(self.base), ctypes.c_void_p(self.pages), ctypes.c_void_p(self.page_start),
+                ctypes.c_int(self.per_page), ctypes.c_int(self.entry_bytes)]
+
+
+class LaunchSequence:
+    """Launches issued in order on one stream, as one call."""
+
+    def __init__(self, *launches: Launch):
+        self.launches = launches
+
+    def __call__(self, stream: Stream):
+        for launch in self.launches:
+            launch(stream)
+
+
+def _check_shape(dtype, head_dim: int, rope_dim: int, caches, pointers):
+    vec = 16 // np.dtype(dtype).itemsize
+    if not (0 < head_dim <= MAX_HEAD_DIM and head_dim % vec == 0):
+        raise ValueError(f"head_dim {head_dim} must be a multiple of {vec} up to {MAX_HEAD_DIM}")
+    if not (0 <= rope_dim <= head_dim and rope_dim % 2 == 0):
+        raise ValueError(f"rope_dim {rope_dim} must be even and at most head_dim {head_dim}")
+    for c in caches:
+        if c.entry_bytes % 16 or c.entry_bytes < head_dim * np.dtype(dtype).itemsize or c.per_page <= 0:
+            raise ValueError(f"cache entries of {c.entry_bytes} B cannot hold {head_dim} 16-byte aligned elements")
+    if any(p % 16 for p in pointers if p):
+        raise ValueError("device rows, weights and cache bases must be 16-byte aligned")
+
+
+def qkv_norm_rope_insert(device: Device, dtype, q: int, kv: int, kv_norm_weight: int, positions: int, req: int,
+                         inv_freq: int, window: PagedCache, *, rows: int, heads: int, head_dim: int, rope_dim: int,
+                         eps: float) -> Launch:
+    """Fusion 3: q [rows, heads, hd] in place gets the weightless head RMSNorm and RoPE; kv [rows, hd]
+    gets RMSNorm (float32 weight [hd]) and RoPE and is stored at window entry positions[t] of request req[t].
+    Rows with req < 0 are left alone. One warp per query head and per kv row."""
+    _check_shape(dtype, head_dim, rope_dim, [window], [q, kv, kv_norm_weight, window.base])
+    t = storage_name(dtype)
+    k = device.kernel("qkv", f"qkv_norm_rope_insert<{t}>", _QKV)
+    warps = rows * (heads + 1)
+    args = [ctypes.c_void_p(q), ctypes.c_void_p(kv), ctypes.c_void_p(kv_norm_weight), ctypes.c_void_p(positions),
+            ctypes.c_void_p(req), ctypes.c_void_p(inv_freq), *window.args(), ctypes.c_int(rows), ctypes.c_int(heads),
+            ctypes.c_int(head_dim), ctypes.c_int(rope_dim), ctypes.c_float(eps)]
+    return k.bind(max(1, -(-warps // QKV_WARPS)), QKV_WARPS * 32, args)
+
+
+def attention_workspace_bytes(rows: int, heads: int, head_dim: int, splits: int) -> int:
+    """Bytes of the workspace sparse_attention needs with `splits` > 1 (partial sums, maxima, denominators)."""
+    return 0 if splits <= 1 else rows * heads * splits * (head_dim + 2) * 4
+
+
+def sparse_attention(device: Device, dtype, out: int, q: int, positions: int, req: int, sink: int, inv_freq: int,
+                     window: PagedCache, compressed: PagedCache | None = None, selected: int | None = None, *,
+                     rows: int, heads: int, head_dim: int, rope_dim: int, window_size: int, ratio: int = 0,
+                     top_k: int = 0, splits: int = 1, workspace: int = 0) -> Launch | LaunchSequence:
+    """out [rows, heads, hd] = inverse-RoPE(softmax attention of q [rows, heads, hd]) over the window
+    entries max(0, m-window_size+1) .. m, the compressed entries (compressed given, `ratio` > 0: every
+    visible one, or the row's `top_k` int32 choices in `selected` [rows, top_k], -1 for none) and the
+    float32 `sink` [heads]. Rows with req < 0 get zeros. `splits` > 1 divides each row's keys among that
+    many blocks (decode batches too small to fill the GPU) and needs a `workspace` of
+    attention_workspace_bytes(); a second launch merges them."""
+    if compressed is None and (ratio or selected):
+        raise ValueError("compressed entries need the compressed cache")
+    if compressed is not None and ratio <= 0:
+        raise ValueError("a compressed cache needs its ratio")
+    if selected and top_k <= 0:
+        raise ValueError("a selection needs top_k")
+    if rows <= 0:
+        raise ValueError("attention needs at least one row")
+    if splits > 1 and not workspace:
+        raise ValueError("splits > 1 needs a workspace")
+    caches = [window] + ([compressed] if compressed else [])
+    _check_shape(dtype, head_dim, rope_dim, caches, [out, q, workspace, *(c.base for c in caches)])
+    t = storage_name(dtype)
+    itemsize = np.dtype(dtype).itemsize
+    tile_keys = TILE_BYTES // (MAX_HEAD_DIM * itemsize)
+    cmp = compressed or PagedCache(0, 0, 0, 1, 16)
+    part_o = workspace if splits > 1 else 0
+    part_ml = part_o + rows * heads * splits * head_dim * 4 if splits > 1 else 0
+    args = [ctypes.c_void_p(out), ctypes.c_void_p(part_o), ctypes.c_void_p(part_ml), ctypes.c_void_p(q),
+            ctypes.c_void_p(positions), ctypes.c_void_p(req), ctypes.c_void_p(sink), ctypes.c_void_p(inv_freq),
+            *window.args(), *cmp.args(), ctypes.c_void_p(selected or 0), ctypes.c_int(top_k),
+            ctypes.c_int(ratio if compressed else 0), ctypes.c_int(window_size), ctypes.c_int(heads),
+            ctypes.c_int(head_dim), ctypes.c_int(rope_dim), ctypes.c_float(np.float32(head_dim ** -0.5))]
+    main = device.kernel("attention", f"sparse_attention<{t}>", _ATTENTION).bind(
+        (rows, -(-heads // BLOCK_HEADS), max(1, splits)), ATTENTION_THREADS, args,
+        shared=2 * tile_keys * head_dim * itemsize)
+    if splits <= 1:
+        return main
+    combine_args = [ctypes.c_void_p(out), ctypes.c_void_p(part_o), ctypes.c_void_p(part_ml), ctypes.c_void_p(sink),
+                    ctypes.c_void_p(positions), ctypes.c_void_p(inv_freq), ctypes.c_int(rows), ctypes.c_int(heads),
+                    ctypes.c_int(head_dim), ctypes.c_int(rope_dim), ctypes.c_int(splits)]
+    combine = device.kernel("attention", f"attention_combine<{t}>", _ATTENTION).bind(
+        -(-rows * heads // COMBINE_WARPS), COMBINE_WARPS * 32, combine_args)
+    return LaunchSequence(main, combine)

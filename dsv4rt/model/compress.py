@@ -1,0 +1,127 @@
+"""Launchers of the compress family: fusion 1 (cuda_src/compress.cu) and the indexer (cuda_src/indexer.cu)."""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cuda.device import Device, Launch, Stream
+from ..cuda.driver import check, drv
+from ..cuda.ops import storage_name
+
+POOL_THREADS = 512        # the most threads of a compress block; wider entries loop over channels
+INDEX_HEADS = 64          # kHeads of indexer.cu: heads of one score block
+KEY_TILE = 64             # kKeys
+SCORE_THREADS = 256
+SELECT_THREADS = 512
+MAX_GRID_Y = 65535
+WAVES = 4                 # score blocks per SM to aim for when splitting rows over key tiles
+
+_POOL = ("compress_pool<float>", "compress_pool<__nv_bfloat16>")
+_INDEXER = ("indexer_scores<float>", "indexer_scores<__nv_bfloat16>", "indexer_topk")
+
+
+@dataclass(frozen=True)
+class PagedCache:
+    """One cache kind of one layer for a batch of requests: entry e of request r lies at
+    base + pages[page_start[r] + e // per_page] + (e % per_page) * entry_bytes (pages: int64 byte
+    offsets, -1 where not held; page_start: int32 per request)."""
+    base: int
+    pages: int
+    page_start: int
+    per_page: int
+    entry_bytes: int
+
+    def args(self) -> list:
+        return [ctypes.c_void_p(self.base), ctypes.c_void_p(self.pages), ctypes.c_void_p(self.page_start),
+                ctypes.c_int(self.per_page), ctypes.c_int(self.entry_bytes)]
+
+
+class LaunchSequence:
+    """Launches issued in order on one stream, as one call."""
+
+    def __init__(self, *launches: Launch):
+        self.launches = launches
+
+    def __call__(self, stream: Stream):
+        for launch in self.launches:
+            launch(stream)
+
+
+def state_keep_from(length: int, ratio: int, overlap: bool) -> int:
+    """First position a later chunk reads from the compressor state of a request of `length` tokens
+    (the state kinds' CacheKind.keep_from): the window of the first unfinished entry, and the one
+    before it in the overlapping form."""
+    return max(0, length // ratio * ratio - overlap * ratio)
+
+
+def compress_pool(device: Device, dtype, out: PagedCache, state: PagedCache, a: int, z: int, ape: int, norm: int,
+                  inv_freq: int, positions: int, req: int, *, rows: int, width: int, ratio: int, overlap: bool,
+                  rope_dim: int, eps: float) -> Launch | LaunchSequence:
+    """Fusion 1 over `rows` tokens (req[t] < 0: padding; each request's rows contiguous, consecutive positions).
+
+    a, z: float32 [rows, c·width] (c = 2 if overlap), z without ape; ape float32 [ratio, c·width];
+    norm float32 [width]; inv_freq float32 [rope_dim/2]. Every entry j whose last token r·j + r − 1 is
+    a row here is pooled (earlier candidates from `state`: float32 [a | z] per raw position), normed,
+    roped at r·j and stored into `out` (storage dtype, `width` per entry). Rows at positions
+    ≥ state_keep_from(length after this launch) are copied into `state`; those before the launch's
+    first row are read from it and must be held there.
+    """
+    if not (width > 0 and 0 <= rope_dim <= width and rope_dim % 2 == 0 and width % 2 == 0):
+        raise ValueError(f"width {width} and rope_dim {rope_dim} must be even, rope_dim ≤ width")
+    c = 2 if overlap else 1
+    if state.entry_bytes < 2 * c * width * 4:
+        raise ValueError(f"state entries of {state.entry_bytes} B cannot hold a and z ({2 * c * width} floats)")
+    if out.entry_bytes < width * np.dtype(dtype).itemsize:
+        raise ValueError(f"cache entries of {out.entry_bytes} B cannot hold {width} elements")
+    if rows == 0:
+        return LaunchSequence()
+    k = device.kernel("compress", f"compress_pool<{storage_name(dtype)}>", _POOL)
+    shared = c * ratio * 24 + width * 4   # a Candidate (3 pointers) per pooled position, the pooled entry
+    args = [*out.args(), *state.args(), *(ctypes.c_void_p(p) for p in (a, z, ape, norm, inv_freq, positions, req)),
+            ctypes.c_int(rows), ctypes.c_int(width), ctypes.c_int(ratio), ctypes.c_int(int(overlap)),
+            ctypes.c_int(rope_dim), ctypes.c_float(eps)]
+    return k.bind(rows, min(POOL_THREADS, -(-width // 32) * 32), args, shared=shared)
+
+
+def indexer_select(device: Device, dtype, selected: int, scores: int, q: int, w: int, keys: PagedCache,
+                   positions: int, req: int, *, rows: int, heads: int, head_dim: int, topk: int, n_max: int,
+                   ratio: int = 4, inv_freq: int | None = None, rope_dim: int = 0) -> LaunchSequence:
+    """Indexer scores and top-k for `rows` queries (req[t] < 0: padding, its row of `selected` all -1).
+
+    q: [rows, heads, head_dim] storage dtype, roped here at positions[t] (last rope_dim channels) when
+    inv_freq is given, else already roped by the caller; w: float32 [rows, heads] (weights_proj(x)
+    scaled by head_dim^-0.5 · heads^-0.5); keys: the indexer-key cache. scores: float32 workspace
+    [rows, n_max], n_max at least every row's visible count (pos+1)//ratio (the kernels clamp to it).
+    selected: int32 [rows, topk], the min(topk, visible) best entries in ascending index order, ties
+    toward the lower index, then -1.
+    """
+    if not (0 < heads <= INDEX_HEADS and head_dim % 8 == 0 and 0 <= rope_dim <= head_dim and rope_dim % 2 == 0):
+        raise ValueError(f"indexer: heads {heads} ≤ {INDEX_HEADS}, head_dim {head_dim} % 8 == 0, even rope_dim")
+    if rows > MAX_GRID_Y:
+        raise ValueError(f"indexer: {rows} query rows, at most {MAX_GRID_Y} per launch (grid y)")
+    if rows == 0:
+        return LaunchSequence()
+    t = storage_name(dtype)
+    score = device.kernel("indexer", f"indexer_scores<{t}>", _INDEXER)
+    shared = (INDEX_HEADS + KEY_TILE) * (head_dim + 4) * 4   # q and key tiles as float32, rows padded by 4
+    _allow_shared(score, shared)
+    tiles = max(1, -(-n_max // KEY_TILE))
+    splits = min(tiles, max(1, -(-WAVES * device.sm_count // rows)))
+    score_args = [ctypes.c_void_p(scores), ctypes.c_void_p(q), ctypes.c_void_p(w), *keys.args(),
+                  ctypes.c_void_p(positions), ctypes.c_void_p(req), ctypes.c_void_p(inv_freq or 0),
+                  ctypes.c_int(rope_dim if inv_freq else 0), ctypes.c_int(heads),
+                  ctypes.c_int(head_dim), ctypes.c_int(n_max), ctypes.c_int(ratio)]
+    select = device.kernel("indexer", "indexer_topk", _INDEXER)
+    select_args = [ctypes.c_void_p(selected), ctypes.c_void_p(scores), ctypes.c_void_p(positions),
+                   ctypes.c_void_p(req), ctypes.c_int(n_max), ctypes.c_int(topk), ctypes.c_int(ratio)]
+    return LaunchSequence(score.bind((splits, rows), SCORE_THREADS, score_args, shared=shared),
+                          select.bind(rows, SELECT_THREADS, select_args))
+
+
+def _allow_shared(kernel, nbytes: int):
+    if nbytes > 48 * 1024:
+        d = drv()
+        check(d.cuFuncSetAttribute(kernel.function,
+                                   d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes))

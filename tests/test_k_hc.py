@@ -1,0 +1,180 @@
+"""cuda_src/hc.cu against the numpy reference: stream embedding, mHC pre/post and the final head."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+from conftest import rel_rows
+from dsv4rt.reference.hc import HyperConnection, HyperHead
+
+pytestmark = pytest.mark.gpu
+MiB = 1 << 20
+BF16 = ml_dtypes.bfloat16
+EPS, HC_EPS, ITERS = 1e-6, 1e-6, 20
+# (tokens, hc, dim): Flash, tiny-a, odd dims (100: bf16 rows not 16-byte multiples; 101: scalar everywhere),
+# and batches long enough (4224 tokens and more on a 132-SM H200) for the shared-memory fn tiles of hc_pre/head.
+SHAPES = [(1, 4, 4096), (7, 4, 4096), (300, 4, 4096), (1, 2, 64), (7, 2, 64), (300, 2, 64), (7, 4, 100),
+          (300, 2, 100), (7, 2, 101), (1, 4, 101), (1100, 4, 4096), (3000, 2, 64), (8192, 2, 64),
+          (4500, 4, 100), (4500, 2, 101)]
+DTYPES = [np.float32, BF16]
+
+
+@pytest.fixture(scope="module")
+def rt():
+    from dsv4rt.cuda.runtime import Runtime
+    with Runtime(arena_bytes=1024 * MiB) as r:
+        yield r
+
+
+@pytest.fixture
+def dev(rt):
+    """Uploads host arrays (or NaN-poisoned buffers) and frees them after the test."""
+    bufs = []
+
+    def upload(host: np.ndarray):
+        b = rt.arena.alloc(max(host.nbytes, 1))
+        b.copy_from_host(host)
+        bufs.append(b)
+        return b
+    yield upload
+    for b in bufs:
+        b.free()
+
+
+def poison(shape, dtype) -> np.ndarray:
+    return np.full(shape, np.nan, dtype)
+
+
+def fetch(rt, buf, like: np.ndarray) -> np.ndarray:
+    rt.stream.synchronize()
+    return buf.copy_to_host(np.empty_like(like)).astype(np.float32)
+
+
+def streams(rng, tokens, hc, dim, dtype) -> np.ndarray:
+    return rng.standard_normal((tokens, hc, dim), dtype=np.float32).astype(dtype)
+
+
+def mixing(rng, rows, hc, dim, n_scale):
+    fn = (rng.standard_normal((rows, hc * dim), dtype=np.float32) / np.sqrt(hc * dim)).astype(np.float32)
+    base = (0.5 * rng.standard_normal(rows)).astype(np.float32)
+    scale = rng.uniform(0.5, 1.5, n_scale).astype(np.float32)
+    return fn, base, scale
+
+
+def out_tol(dtype) -> float:
+    return 1e-5 if dtype == np.float32 else 1e-2  # bf16: one rounding of the stored output
+
+
+def run_pre(rt, dev, dtype, tokens, hc, dim, iters, seed):
+    from dsv4rt.model import hc as k
+    rng = np.random.default_rng(seed)
+    x = streams(rng, tokens, hc, dim, dtype)
+    fn, base, scale = mixing(rng, (2 + hc) * hc, hc, dim, 3)
+    du, dpost, dcomb = dev(poison((tokens, dim), dtype)), dev(poison((tokens, hc), np.float32)), \
+        dev(poison((tokens, hc, hc), np.float32))
+    dx = dev(x)
+    launch = k.pre(rt.device, dtype, du.ptr, dpost.ptr, dcomb.ptr, dx.ptr, dev(fn).ptr, dev(base).ptr,
+                   dev(scale).ptr, tokens, hc, dim, EPS, HC_EPS, iters)
+    launch(rt.stream)
+    got = (fetch(rt, du, np.empty((tokens, dim), dtype)), fetch(rt, dpost, np.empty((tokens, hc), np.float32)),
+           fetch(rt, dcomb, np.empty((tokens, hc, hc), np.float32)))
+    ref = HyperConnection(fn, base, scale, iters, HC_EPS, EPS).pre(x.astype(np.float32))
+    return got, ref, launch
+
+
+def check_pre(got, ref, dtype):
+    (u, post, comb), (ru, rpost, rcomb) = got, ref
+    assert rel_rows(u, ru).max() < out_tol(dtype)
+    assert rel_rows(post, rpost).max() < 1e-5  # float32 outputs from the same (rounded) inputs
+    assert rel_rows(comb, rcomb).max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, hc, dim", SHAPES)
+def test_pre_matches_reference(rt, dev, dtype, tokens, hc, dim):
+    got, ref, _ = run_pre(rt, dev, dtype, tokens, hc, dim, ITERS, tokens * 31 + hc * dim)
+    check_pre(got, ref, dtype)
+
+
+@pytest.mark.parametrize("iters", [0, 1, 2, 5])
+def test_pre_sinkhorn_iteration_counts(rt, dev, iters):
+    got, ref, _ = run_pre(rt, dev, np.float32, 9, 4, 64, iters, iters)
+    check_pre(got, ref, np.float32)
+
+
+def test_pre_flash_long_batch(rt, dev):
+    """8192 Flash tokens in bf16; one timed launch on the first n of them gives the rate (n = 8192, either side
+    of the shared-memory tile threshold, and decode batches)."""
+    from dsv4rt.cuda.device import Event
+    from dsv4rt.model import hc as k
+    tokens, hc, dim = 8192, 4, 4096
+    got, ref, launch = run_pre(rt, dev, BF16, tokens, hc, dim, ITERS, 8)
+    check_pre(got, ref, BF16)
+    for n in (tokens, 4224, 4192, 1024, 64, 1):
+        again = k.pre(rt.device, BF16, *[a.value for a in launch.args[:7]], n, hc, dim, EPS, HC_EPS, ITERS) if n < tokens else launch
+        start, end = Event(), Event()
+        rt.stream.record(start)
+        again(rt.stream)
+        rt.stream.record(end)
+        end.synchronize()
+        ms = start.elapsed_ms(end)
+        print(f"\nhc_pre bf16 {n}x{hc}x{dim} block {again.block}: {ms * 1e3:.0f} us, "
+              f"{n * (hc + 1) * dim * 2 / ms / 1e6:.0f} GB/s of streams in + u out")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, hc, dim", SHAPES)
+def test_head_matches_reference(rt, dev, dtype, tokens, hc, dim):
+    from dsv4rt.model import hc as k
+    rng = np.random.default_rng(tokens * 7 + dim)
+    x = streams(rng, tokens, hc, dim, dtype)
+    fn, base, scale = mixing(rng, hc, hc, dim, 1)
+    dy = dev(poison((tokens, dim), dtype))
+    k.head(rt.device, dtype, dy.ptr, dev(x).ptr, dev(fn).ptr, dev(base).ptr, dev(scale).ptr, tokens, hc, dim,
+           EPS, HC_EPS)(rt.stream)
+    ref = HyperHead(fn, base, scale, HC_EPS, EPS)(x.astype(np.float32))
+    assert rel_rows(fetch(rt, dy, np.empty((tokens, dim), dtype)), ref).max() < out_tol(dtype)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, hc, dim", SHAPES[:10])
+def test_post_matches_reference(rt, dev, dtype, tokens, hc, dim, in_place):
+    from dsv4rt.model import hc as k
+    rng = np.random.default_rng(tokens * 5 + dim + in_place)
+    x = streams(rng, tokens, hc, dim, dtype)
+    f = rng.standard_normal((tokens, dim), dtype=np.float32).astype(dtype)
+    post = (2 / (1 + np.exp(-rng.standard_normal((tokens, hc))))).astype(np.float32)
+    comb = rng.uniform(0, 2 / hc, (tokens, hc, hc)).astype(np.float32)
+    dx = dev(x)
+    dout = dx if in_place else dev(poison(x.shape, dtype))
+    k.post(rt.device, dtype, dout.ptr, dx.ptr, dev(f).ptr, dev(post).ptr, dev(comb).ptr, tokens, hc, dim)(rt.stream)
+    ref = HyperConnection.post(x.astype(np.float32), f.astype(np.float32), post, comb)
+    assert rel_rows(fetch(rt, dout, x), ref).max() < out_tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, hc, dim", [(1, 4, 4096), (7, 2, 64), (300, 4, 4096), (300, 2, 101), (7, 4, 100)])
+def test_embed_copies_rows_into_every_stream(rt, dev, dtype, tokens, hc, dim):
+    from dsv4rt.model import hc as k
+    vocab = 1000
+    rng = np.random.default_rng(tokens + dim)
+    table = rng.standard_normal((vocab, dim), dtype=np.float32).astype(dtype)
+    ids = rng.integers(0, vocab, tokens).astype(np.int32)
+    ids[1::5] = np.resize(np.array([-1, vocab, 2**31 - 1, vocab - 1, 0], np.int32), len(ids[1::5]))
+    dx = dev(poison((tokens, hc, dim), dtype))
+    k.embed(rt.device, dtype, dx.ptr, dev(ids).ptr, dev(table).ptr, tokens, vocab, hc, dim)(rt.stream)
+    rt.stream.synchronize()
+    got = dx.copy_to_host(np.empty((tokens, hc, dim), dtype))
+    rows = table[np.clip(ids, 0, vocab - 1)]
+    rows[(ids < 0) | (ids >= vocab)] = 0  # out-of-range ids give zero rows, never a read out of bounds
+    assert got.tobytes() == np.repeat(rows[:, None, :], hc, axis=1).tobytes()
+
+
+def test_empty_batch_launches_nothing(rt):
+    from dsv4rt.model import hc as k
+    for launch in (k.embed(rt.device, BF16, 0, 0, 0, 0, 10, 4, 64),
+                   k.pre(rt.device, BF16, 0, 0, 0, 0, 0, 0, 0, 0, 4, 64, EPS, HC_EPS, ITERS),
+                   k.head(rt.device, BF16, 0, 0, 0, 0, 0, 0, 4, 64, EPS, HC_EPS),
+                   k.post(rt.device, BF16, 0, 0, 0, 0, 0, 0, 4, 64)):
+        launch(rt.stream)
+    rt.stream.synchronize()
