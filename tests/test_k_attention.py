@@ -85,7 +85,7 @@ class PagedHost:
         return self.pool[o:o + self.width * self.dtype.itemsize].view(self.dtype)
 
     def upload(self, dev):
-        from dsv4rt.model.attention import PagedCache
+        from dsv4rt.model.paged import PagedCache
         pool = dev(self.pool)
         return pool, PagedCache(pool.ptr, dev(self.pages).ptr, dev(self.page_start).ptr, self.per_page,
                                 self.entry_bytes)

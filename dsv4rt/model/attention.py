@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 
 import numpy as np
 
-from ..cuda.device import Device, Launch, Stream
+from ..cuda.device import Device, Launch
 from ..cuda.ops import storage_name
+from .paged import LaunchSequence, PagedCache
 
 MAX_HEAD_DIM = 512             # kMaxHeadDim: a warp keeps one head row in registers
 BLOCK_HEADS = 8                # kBlockHeads of attention.cu
@@ -18,33 +18,6 @@ COMBINE_WARPS = 8
 
 _QKV = tuple(f"qkv_norm_rope_insert<{t}>" for t in ("float", "__nv_bfloat16"))
 _ATTENTION = tuple(f"{k}<{t}>" for k in ("sparse_attention", "attention_combine") for t in ("float", "__nv_bfloat16"))
-
-
-@dataclass(frozen=True)
-class PagedCache:
-    """One cache kind of one layer for a batch of requests: entry e of request r lies at
-    base + pages[page_start[r] + e // per_page] + (e % per_page) * entry_bytes (pages: int64 byte
-    offsets, -1 where not held; page_start: int32 per request)."""
-    base: int
-    pages: int
-    page_start: int
-    per_page: int
-    entry_bytes: int
-
-    def args(self) -> list:
-        return [ctypes.c_void_p(self.base), ctypes.c_void_p(self.pages), ctypes.c_void_p(self.page_start),
-                ctypes.c_int(self.per_page), ctypes.c_int(self.entry_bytes)]
-
-
-class LaunchSequence:
-    """Launches issued in order on one stream, as one call."""
-
-    def __init__(self, *launches: Launch):
-        self.launches = launches
-
-    def __call__(self, stream: Stream):
-        for launch in self.launches:
-            launch(stream)
 
 
 def _check_shape(dtype, head_dim: int, rope_dim: int, caches, pointers):

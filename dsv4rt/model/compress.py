@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 
 import numpy as np
 
-from ..cuda.device import Device, Launch, Stream
+from ..cuda.device import Device, Launch
 from ..cuda.driver import check, drv
 from ..cuda.ops import storage_name
+from .paged import LaunchSequence, PagedCache
 
 POOL_THREADS = 512        # the most threads of a compress block; wider entries loop over channels
 INDEX_HEADS = 64          # kHeads of indexer.cu: heads of one score block
@@ -20,33 +20,6 @@ WAVES = 4                 # score blocks per SM to aim for when splitting rows o
 
 _POOL = ("compress_pool<float>", "compress_pool<__nv_bfloat16>")
 _INDEXER = ("indexer_scores<float>", "indexer_scores<__nv_bfloat16>", "indexer_topk")
-
-
-@dataclass(frozen=True)
-class PagedCache:
-    """One cache kind of one layer for a batch of requests: entry e of request r lies at
-    base + pages[page_start[r] + e // per_page] + (e % per_page) * entry_bytes (pages: int64 byte
-    offsets, -1 where not held; page_start: int32 per request)."""
-    base: int
-    pages: int
-    page_start: int
-    per_page: int
-    entry_bytes: int
-
-    def args(self) -> list:
-        return [ctypes.c_void_p(self.base), ctypes.c_void_p(self.pages), ctypes.c_void_p(self.page_start),
-                ctypes.c_int(self.per_page), ctypes.c_int(self.entry_bytes)]
-
-
-class LaunchSequence:
-    """Launches issued in order on one stream, as one call."""
-
-    def __init__(self, *launches: Launch):
-        self.launches = launches
-
-    def __call__(self, stream: Stream):
-        for launch in self.launches:
-            launch(stream)
 
 
 def state_keep_from(length: int, ratio: int, overlap: bool) -> int:

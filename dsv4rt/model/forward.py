@@ -1,0 +1,276 @@
+"""The DeepSeek V4 forward on the GPU for one request: the per-layer launch sequence over paged caches.
+
+Every kernel is a template over the storage type, so `GpuModel(dir, np.float32)` runs the same code
+as the bf16 build and is checked tightly against the numpy reference."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from ..config import CSA, SLIDING
+from ..cuda import ops
+from ..cuda.device import Event, Stream
+from ..cuda.runtime import Runtime
+from ..kv import BlockManager, SlabAllocator, build_plan
+from ..loader import Checkpoint
+from . import attention as attn_k
+from . import compress as comp_k
+from . import hc as hc_k
+from .paged import PagedCache
+from .gemm import Blas, grouped_linear, linear
+from .moe import ExpertWeights, MoE, MoeDims, pointer_table, workspace_bytes
+from .weights import load_weights
+
+F32 = np.dtype(np.float32)
+
+
+class Workspace:
+    """Named scratch arrays carved from one arena buffer, sized for `rows` tokens per step."""
+
+    def __init__(self, arena, sizes: dict[str, int]):
+        offsets, at = {}, 0
+        for name, size in sizes.items():
+            offsets[name] = at
+            at += -(-max(size, 1) // 256) * 256
+        self.buffer = arena.alloc(at, "workspace")
+        self.ptr = {name: self.buffer.ptr + off for name, off in offsets.items()}
+
+    def __getitem__(self, name: str) -> int:
+        return self.ptr[name]
+
+
+class GpuModel:
+    def __init__(self, model_dir, dtype=ml_dtypes.bfloat16, *, runtime: Runtime | None = None,
+                 max_len: int = 4096, kv_bytes: int = 256 << 20):
+        self.dtype = np.dtype(dtype)
+        self.rt = runtime or Runtime(arena_bytes=None)
+        rt, cfg = self.rt, None
+        with Checkpoint.open(model_dir) as ck:
+            ck.validate()
+            cfg = ck.config
+            self.w = load_weights(ck, self.dtype, rt.arena, rt.stream).arrays
+        self.cfg, self.max_len = cfg, max_len
+        self.rows = max(1, cfg.window - 1)  # a step's keys must all be in the window cache (see steps())
+        self.plan = build_plan(cfg, "exact", element_bytes=self.dtype.itemsize)
+        self.kv = rt.arena.alloc(kv_bytes, "KV cache")
+        self.allocator = SlabAllocator(kv_bytes, self.plan.class_page_bytes)
+        self.blocks = BlockManager(self.plan, self.allocator)
+        self.blas, self.side_blas = Blas(rt.arena), Blas(rt.arena)
+        self.side = Stream()
+        self.fork, self.join = Event(timing=False), Event(timing=False)
+        self._tables()
+        self._rope_tables()
+        self._experts()
+        self._workspace()
+        self.length = 0
+
+    # --- one-time setup -------------------------------------------------------------------------
+    def _tables(self):
+        """One fixed slot of int64 page offsets per (kind, layer), refilled before each step."""
+        self.slots, at = {}, 0
+        for k in self.plan.kinds:
+            cols = -(-self.max_len // k.positions_per_page) + 1
+            for layer in k.layers:
+                self.slots[k.name, layer] = (at, cols, k)
+                at += cols
+        self.host_tables = np.full(at, -1, np.int64)
+        self.tables = self.rt.arena.alloc(self.host_tables.nbytes, "page tables")
+        self.zero = self.rt.arena.alloc(4, "page_start")
+        self.zero.copy_from_host(np.zeros(1, np.int32))
+
+    def cache(self, kind: str, layer: int) -> PagedCache:
+        at, _, k = self.slots[kind, layer]
+        per_page = k.positions_per_page if k.sliding else k.page_bytes // k.entry_bytes
+        return PagedCache(self.kv.ptr, self.tables.ptr + 8 * at, self.zero.ptr, per_page, k.entry_bytes)
+
+    def _rope_tables(self):
+        self.inv_freq = []
+        for i in range(self.cfg.num_layers):
+            f = self.cfg.rope_inv_freq(i).astype(np.float32)
+            buf = self.rt.arena.alloc(f.nbytes, "rope table")
+            buf.copy_from_host(f)
+            self.inv_freq.append(buf.ptr)
+
+    def _experts(self):
+        self.expert_tables = []
+        for i in range(self.cfg.num_layers):
+            p = f"layers.{i}.ffn.experts."
+            tables = [pointer_table(self.rt.arena, [self.w[f"{p}{e}.{m}.weight"].ptr for e in range(self.cfg.n_experts)])
+                      for m in ("w1", "w3", "w2")]
+            self.expert_tables.append(ExpertWeights(*(t.ptr for t in tables)))
+
+    def _workspace(self):
+        c, T, s = self.cfg, self.rows, self.dtype.itemsize
+        hd, D = c.head_dim, c.hidden_size
+        n_max = self.max_len // c.csa_ratio + 1
+        self.moe_dims = MoeDims(T, D, c.moe_inter, c.n_experts, c.n_active, c.moe_inter if c.n_shared else 0)
+        self.ws = Workspace(self.rt.arena, dict(
+            ids=4 * T, pos=4 * T, req=4 * T, X=T * c.hc_mult * D * s, u=T * D * s, xn=T * D * s,
+            post=T * c.hc_mult * 4, comb=T * c.hc_mult ** 2 * 4, qa=T * c.q_lora_rank * s, qr=T * c.q_lora_rank * s,
+            q=T * c.num_heads * hd * s, kv=T * hd * s, a=T * 2 * hd * 4, z=T * 2 * hd * 4,
+            ia=T * 2 * c.index_head_dim * 4, iz=T * 2 * c.index_head_dim * 4,
+            iq=T * c.index_n_heads * c.index_head_dim * s, iw=T * c.index_n_heads * 4, scores=T * n_max * 4,
+            selected=T * c.index_topk * 4, o=T * c.num_heads * hd * s, t=T * c.o_groups * c.o_lora_rank * s,
+            f=T * D * s, y=T * D * s, logits=T * c.vocab_size * 4, moe=workspace_bytes(self.moe_dims, self.dtype)))
+        self.n_max = n_max
+
+    # --- the forward ----------------------------------------------------------------------------
+    def forward(self, ids) -> np.ndarray:
+        """Logits [T, vocab] (float32) of the next tokens `ids`, continuing this request's state."""
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.cfg.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+        if self.length + len(ids) > self.max_len:
+            raise ValueError(f"{self.length + len(ids)} positions exceed this model's max_len {self.max_len}")
+        out = [self._step(ids[a:a + self.rows]) for a in range(0, len(ids), self.rows)]
+        return np.concatenate(out) if out else np.zeros((0, self.cfg.vocab_size), np.float32)
+
+    def reset(self):
+        if self.length:
+            self.blocks.release(0)
+        self.length = 0
+
+    def _step(self, ids: np.ndarray) -> np.ndarray:
+        T, c, ws, st = len(ids), self.cfg, self.ws, self.rt.stream
+        self._begin(ids)
+        hc_k.embed(self.rt.device, self.dtype, ws["X"], ws["ids"], self.w["embed.weight"].ptr, T, c.vocab_size,
+                   c.hc_mult, c.hidden_size)(st)
+        for i in range(c.num_layers):
+            self.layer(i, T)
+        self.head(T)
+        self.length += T
+        return self._read("logits", (T, c.vocab_size), F32)
+
+    def layer_alone(self, i: int, ids, streams: np.ndarray) -> np.ndarray:
+        """Block i fed the given input streams [T, hc, D] (teacher forcing), from an empty cache and in
+        steps like forward(); returns its output streams as float32."""
+        self.reset()
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        out = []
+        for a in range(0, len(ids), self.rows):
+            chunk = ids[a:a + self.rows]
+            self._begin(chunk)
+            x = np.ascontiguousarray(streams[a:a + len(chunk)]).astype(self.dtype)
+            self.ws.buffer.copy_from_host(x, self.rt.stream, offset=self.ws["X"] - self.ws.buffer.ptr)
+            self.layer(i, len(chunk))
+            self.length += len(chunk)
+            out.append(self._read("X", x.shape, self.dtype).astype(np.float32))
+        self.reset()
+        return np.concatenate(out)
+
+    def _begin(self, ids: np.ndarray):
+        """Hold the step's pages, refill the page tables, upload ids and positions."""
+        T = len(ids)
+        self.blocks.place(0, self.length + T)
+        self._fill_tables()
+        host = np.concatenate([ids.astype(np.int32), np.arange(self.length, self.length + T, dtype=np.int32),
+                               np.zeros(T, np.int32)])
+        for name, part in zip(("ids", "pos", "req"), np.split(host, 3)):
+            self.ws.buffer.copy_from_host(part, self.rt.stream, offset=self.ws[name] - self.ws.buffer.ptr)
+
+    def _read(self, name: str, shape, dtype) -> np.ndarray:
+        out = np.empty(shape, dtype)
+        self.rt.stream.synchronize()
+        return self.ws.buffer.copy_to_host(out, offset=self.ws[name] - self.ws.buffer.ptr)
+
+    def _fill_tables(self):
+        for (kind, layer), (at, cols, k) in self.slots.items():
+            ids = self.blocks.table(0, kind, layer)[:cols]
+            shift, mask = self.allocator.page_shift, (1 << self.allocator.page_shift) - 1
+            off = (ids >> shift).astype(np.int64) * self.allocator.slab_bytes + \
+                (ids & mask).astype(np.int64) * self.allocator.page_bytes[k.size_class]
+            self.host_tables[at:at + cols] = -1
+            self.host_tables[at:at + len(ids)] = np.where(ids >= 0, off, -1)
+        self.tables.copy_from_host(self.host_tables, self.rt.stream)
+
+    def layer(self, i: int, T: int):
+        """Block i on the streams in ws["X"] (in place)."""
+        c, ws, st, dev, dt, W = self.cfg, self.ws, self.rt.stream, self.rt.device, self.dtype, self.w
+        p = f"layers.{i}."
+        self._hc_pre(p + "hc_attn", p + "attn_norm.weight", T)
+        a = p + "attn."
+        hd, H, rd = c.head_dim, c.num_heads, c.rope_dim
+        linear(self.blas, dt, ws["xn"], W[a + "wq_a.weight"].ptr, ws["qa"], T, c.q_lora_rank, c.hidden_size)(st)
+        ops.rmsnorm(dev, dt, ws["qr"], ws["qa"], W[a + "q_norm.weight"].ptr, T, c.q_lora_rank, c.eps)(st)
+        linear(self.blas, dt, ws["qr"], W[a + "wq_b.weight"].ptr, ws["q"], T, H * hd, c.q_lora_rank)(st)
+        linear(self.blas, dt, ws["xn"], W[a + "wkv.weight"].ptr, ws["kv"], T, hd, c.hidden_size)(st)
+        window = self.cache("window", i)
+        attn_k.qkv_norm_rope_insert(dev, dt, ws["q"], ws["kv"], W[a + "kv_norm.weight"].ptr, ws["pos"], ws["req"],
+                                    self.inv_freq[i], window, rows=T, heads=H, head_dim=hd, rope_dim=rd, eps=c.eps)(st)
+        kind, ratio = c.kinds[i], c.ratios[i]
+        compressed = selected = None
+        if kind != SLIDING:
+            main = "compressed_c4a" if kind == CSA else "compressed_c128a"
+            state = "state_main_c4a" if kind == CSA else "state_c128a"
+            compressed = self.cache(main, i)
+            if kind == CSA:
+                joined = self._indexer(i, T)
+            self._compress(a + "compressor.", compressed, self.cache(state, i), i, T, hd, ratio, kind == CSA,
+                           ws["a"], ws["z"], self.blas, st)
+            if kind == CSA:
+                st.wait(joined)
+                selected = ws["selected"]
+        attn_k.sparse_attention(dev, dt, ws["o"], ws["q"], ws["pos"], ws["req"], W[a + "attn_sink"].ptr,
+                                self.inv_freq[i], window, compressed, selected, rows=T, heads=H, head_dim=hd,
+                                rope_dim=rd, window_size=c.window, ratio=ratio, top_k=c.index_topk)(st)
+        G = c.o_groups
+        grouped_linear(self.blas, dt, ws["o"], W[a + "wo_a.weight"].ptr, ws["t"], T, G, c.o_lora_rank,
+                       H * hd // G)(st)
+        linear(self.blas, dt, ws["t"], W[a + "wo_b.weight"].ptr, ws["f"], T, c.hidden_size, G * c.o_lora_rank)(st)
+        self._hc_post(T)
+        self._hc_pre(p + "hc_ffn", p + "ffn_norm.weight", T)
+        f = p + "ffn."
+        hashed = c.hash_layers[i]
+        shared = ExpertWeights(*(W[f"{f}shared_experts.{m}.weight"].ptr for m in ("w1", "w3", "w2"))) \
+            if c.n_shared else None
+        dims = MoeDims(T, c.hidden_size, c.moe_inter, c.n_experts, c.n_active, self.moe_dims.shared_inter)
+        MoE(dev, self.blas, dt, dims, x=ws["xn"], y=ws["f"], gate=W[f + "gate.weight"].ptr,
+            routed=self.expert_tables[i], shared=shared, scaling=c.routed_scaling, limit=c.swiglu_limit,
+            workspace=ws["moe"], bias=None if hashed else W[f + "gate.bias"].ptr,
+            tid2eid=W[f + "gate.tid2eid"].ptr if hashed else None, ids=ws["ids"] if hashed else None)(st)
+        self._hc_post(T)
+
+    def _indexer(self, i: int, T: int) -> Event:
+        """The indexer branch on its own stream; returns the event attention waits for."""
+        c, ws, side, dt, W = self.cfg, self.ws, self.side, self.dtype, self.w
+        side.wait(self.rt.stream.record(self.fork))
+        x = f"layers.{i}.attn.indexer."
+        nI, dI = c.index_n_heads, c.index_head_dim
+        self._compress(x + "compressor.", self.cache("indexer", i), self.cache("state_indexer", i), i, T, dI,
+                       c.csa_ratio, True, ws["ia"], ws["iz"], self.side_blas, side)
+        linear(self.side_blas, dt, ws["qr"], W[x + "wq_b.weight"].ptr, ws["iq"], T, nI * dI, c.q_lora_rank)(side)
+        linear(self.side_blas, dt, ws["xn"], W[x + "weights_proj.weight"].ptr, ws["iw"], T, nI, c.hidden_size, F32,
+               alpha=dI ** -0.5 * nI ** -0.5)(side)
+        comp_k.indexer_select(self.rt.device, dt, ws["selected"], ws["scores"], ws["iq"], ws["iw"],
+                              self.cache("indexer", i), ws["pos"], ws["req"], rows=T, heads=nI, head_dim=dI,
+                              topk=c.index_topk, n_max=self.n_max, ratio=c.csa_ratio, inv_freq=self.inv_freq[i],
+                              rope_dim=c.rope_dim)(side)
+        return side.record(self.join)
+
+    def _compress(self, prefix, out, state, i, T, width, ratio, overlap, a, z, blas, stream):
+        c, ws, W = self.cfg, self.ws, self.w
+        n = (2 if overlap else 1) * width
+        linear(blas, self.dtype, ws["xn"], W[prefix + "wkv.weight"].ptr, a, T, n, c.hidden_size, F32)(stream)
+        linear(blas, self.dtype, ws["xn"], W[prefix + "wgate.weight"].ptr, z, T, n, c.hidden_size, F32)(stream)
+        comp_k.compress_pool(self.rt.device, self.dtype, out, state, a, z, W[prefix + "ape"].ptr,
+                             W[prefix + "norm.weight"].ptr, self.inv_freq[i], ws["pos"], ws["req"], rows=T,
+                             width=width, ratio=ratio, overlap=overlap, rope_dim=c.rope_dim, eps=c.eps)(stream)
+
+    def _hc_pre(self, hc: str, norm: str, T: int):
+        c, ws, dev, W = self.cfg, self.ws, self.rt.device, self.w
+        hc_k.pre(dev, self.dtype, ws["u"], ws["post"], ws["comb"], ws["X"], W[hc + "_fn"].ptr, W[hc + "_base"].ptr,
+                 W[hc + "_scale"].ptr, T, c.hc_mult, c.hidden_size, c.eps, c.hc_eps, c.hc_iters)(self.rt.stream)
+        ops.rmsnorm(dev, self.dtype, ws["xn"], ws["u"], W[norm].ptr, T, c.hidden_size, c.eps)(self.rt.stream)
+
+    def _hc_post(self, T: int):
+        c, ws = self.cfg, self.ws
+        hc_k.post(self.rt.device, self.dtype, ws["X"], ws["X"], ws["f"], ws["post"], ws["comb"], T, c.hc_mult,
+                  c.hidden_size)(self.rt.stream)
+
+    def head(self, T: int):
+        c, ws, dev, W, st = self.cfg, self.ws, self.rt.device, self.w, self.rt.stream
+        hc_k.head(dev, self.dtype, ws["u"], ws["X"], W["hc_head_fn"].ptr, W["hc_head_base"].ptr,
+                  W["hc_head_scale"].ptr, T, c.hc_mult, c.hidden_size, c.eps, c.hc_eps)(st)
+        ops.rmsnorm(dev, self.dtype, ws["y"], ws["u"], W["norm.weight"].ptr, T, c.hidden_size, c.eps)(st)
+        linear(self.blas, self.dtype, ws["y"], W["head.weight"].ptr, ws["logits"], T, c.vocab_size, c.hidden_size,
+               F32)(st)

@@ -1,0 +1,160 @@
+"""Mixture of experts on the GPU (twin: dsv4rt/reference/moe.py). One bound sequence, no host
+synchronisation, so a CUDA graph can hold it: gate GEMM (cuBLAS, fp32 logits) → routing → counting
+sort of the (token, slot) pairs by expert → grouped GEMM w1/w3 + clamped SwiGLU → grouped GEMM w2 →
+shared expert (cuBLAS) → weighted combine."""
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cuda.arena import ALIGN, Buffer
+from ..cuda.build import instantiations, source_dir
+from ..cuda.device import Device, Launch
+from ..cuda.ops import storage_name
+from .gemm import Blas, linear
+
+MAX_EXPERTS, MAX_ACTIVE = 384, 8  # moe.cu's kMaxExperts, kMaxActive
+TILE_N = 64
+GEMM_THREADS = 256
+
+
+@dataclass(frozen=True)
+class MoeDims:
+    tokens: int
+    dim: int
+    inter: int
+    experts: int
+    active: int
+    shared_inter: int = 0  # 0: no shared expert
+
+    @property
+    def pairs(self) -> int:
+        return self.tokens * self.active
+
+    @property
+    def tile_rows(self) -> int:
+        """Rows of a grouped-GEMM tile: 16 when experts see a few rows each (decode), else 64."""
+        return 16 if self.pairs <= 16 * min(self.experts, self.pairs) else 64
+
+    @property
+    def max_tiles(self) -> int:
+        """Row tiles over all experts, whatever the routing: each holds a row, and only the last of each
+        expert is partial."""
+        return min(self.pairs, -(-self.pairs // self.tile_rows) + min(self.experts, self.pairs))
+
+
+def _layout(d: MoeDims, dtype) -> dict[str, int]:
+    """Byte offsets of the scratch arrays inside the workspace."""
+    t, f4, i4 = np.dtype(dtype).itemsize, 4, 4
+    sizes = dict(logits=d.tokens * d.experts * f4, idx=d.pairs * i4, weight=d.pairs * f4,
+                 offsets=(d.experts + 1) * i4, tile_offsets=(d.experts + 1) * i4, perm=d.pairs * i4,
+                 pos=d.pairs * i4, hidden=d.pairs * d.inter * t, expert_out=d.pairs * d.dim * t,
+                 shared_g=d.tokens * d.shared_inter * f4, shared_u=d.tokens * d.shared_inter * f4,
+                 shared_h=d.tokens * d.shared_inter * t, shared_out=d.tokens * d.dim * f4 if d.shared_inter else 0)
+    offsets, at = {}, 0
+    for name, size in sizes.items():
+        offsets[name] = at
+        at += -(-size // ALIGN) * ALIGN
+    offsets["total"] = at
+    return offsets
+
+
+def workspace_bytes(dims: MoeDims, dtype) -> int:
+    return _layout(dims, dtype)["total"]
+
+
+def pointer_table(arena, pointers) -> Buffer:
+    """A device array of the experts' weight addresses (they need not be stacked)."""
+    host = np.asarray(pointers, np.uint64)
+    buf = arena.alloc(host.nbytes, "expert pointer table")
+    buf.copy_from_host(host)
+    return buf
+
+
+def route(device: Device, logits: int, idx: int, weight: int, tokens: int, experts: int, active: int,
+          scaling: float, *, bias: int | None = None, tid2eid: int | None = None, ids: int | None = None) -> Launch:
+    """idx int32 [tokens, active] and weight fp32 [tokens, active] from fp32 gate logits [tokens, experts]:
+    top-`active` of sqrt(softplus(logits)) + bias, or the hash table's experts tid2eid[ids]."""
+    P = ctypes.c_void_p
+    return device.kernel("moe", "moe_route", _instances()).bind(-(-tokens // 8), 256, [
+        P(idx), P(weight), P(logits), P(bias or 0), P(tid2eid or 0), P(ids or 0), ctypes.c_int(tokens),
+        ctypes.c_int(experts), ctypes.c_int(active), ctypes.c_float(scaling)])
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """Device addresses. Routed experts: pointer tables [experts] of w1 [inter, dim], w3 [inter, dim],
+    w2 [dim, inter]; shared expert: the matrices themselves."""
+    w1: int
+    w3: int
+    w2: int
+
+
+class MoE:
+    """y [tokens, dim] = Σ_slot w·expert(x) + shared(x) for x [tokens, dim] (storage dtype).
+    Routed layers give `bias` (fp32 [experts]); hash layers give `tid2eid` (int32 [vocab, active]) and
+    `ids` (int32 [tokens]). `gate` is [experts, dim] in the storage dtype. `workspace` holds
+    workspace_bytes(dims, dtype) bytes; layers run one after another can share one."""
+
+    def __init__(self, device: Device, blas: Blas, dtype, dims: MoeDims, *, x: int, y: int, gate: int,
+                 routed: ExpertWeights, shared: ExpertWeights | None, scaling: float, limit: float,
+                 workspace: int, bias: int | None = None, tid2eid: int | None = None, ids: int | None = None):
+        d = dims
+        if not 0 < d.active <= min(MAX_ACTIVE, d.experts) or d.experts > MAX_EXPERTS:
+            raise ValueError(f"{d.active} of {d.experts} experts: at most {MAX_ACTIVE} of {MAX_EXPERTS}")
+        if d.dim % 8 or d.inter % 8:
+            raise ValueError("dim and inter must be multiples of 8 (16-byte vectors)")
+        if (bias is None) == (tid2eid is None) or (tid2eid is not None and ids is None):
+            raise ValueError("a routed layer gives bias, a hash layer tid2eid and ids")
+        if bool(d.shared_inter) != (shared is not None):
+            raise ValueError("shared_inter and the shared expert's weights go together")
+        t = storage_name(dtype)
+        at = {k: workspace + v for k, v in _layout(d, dtype).items()}
+        self.dims, self.scratch = d, at
+        P, I, V = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+        def kernel(expr):
+            return device.kernel("moe", expr, _instances())
+
+        bm = d.tile_rows
+        launches = [
+            linear(blas, dtype, x, gate, at["logits"], d.tokens, d.experts, d.dim, np.float32),
+            route(device, at["logits"], at["idx"], at["weight"], d.tokens, d.experts, d.active, scaling, bias=bias,
+                  tid2eid=tid2eid, ids=ids),
+            kernel("moe_sort").bind(1, 1024, [
+                P(at["offsets"]), P(at["tile_offsets"]), P(at["perm"]), P(at["pos"]), P(at["idx"]),
+                I(d.pairs), I(d.experts), I(bm)]),
+            kernel(f"moe_gemm<{t},{bm},true>").bind((-(-d.inter // TILE_N), d.max_tiles), GEMM_THREADS, [
+                P(at["hidden"]), P(x), P(at["perm"]), I(d.active), P(routed.w1), P(routed.w3), P(at["offsets"]),
+                P(at["tile_offsets"]), I(d.experts), I(d.inter), I(d.dim), V(limit)]),
+            kernel(f"moe_gemm<{t},{bm},false>").bind((-(-d.dim // TILE_N), d.max_tiles), GEMM_THREADS, [
+                P(at["expert_out"]), P(at["hidden"]), P(0), I(d.active), P(routed.w2), P(0), P(at["offsets"]),
+                P(at["tile_offsets"]), I(d.experts), I(d.dim), I(d.inter), V(limit)]),
+        ]
+        if shared is not None:
+            n = d.tokens * d.shared_inter
+            launches += [
+                linear(blas, dtype, x, shared.w1, at["shared_g"], d.tokens, d.shared_inter, d.dim, np.float32),
+                linear(blas, dtype, x, shared.w3, at["shared_u"], d.tokens, d.shared_inter, d.dim, np.float32),
+                kernel(f"swiglu<{t}>").bind(min(-(-n // 256), 4096), 256, [
+                    P(at["shared_h"]), P(at["shared_g"]), P(at["shared_u"]), ctypes.c_longlong(n), V(limit)]),
+                linear(blas, dtype, at["shared_h"], shared.w2, at["shared_out"], d.tokens, d.dim, d.shared_inter,
+                       np.float32),
+            ]
+        launches.append(kernel(f"moe_combine<{t}>").bind(d.tokens, 256, [
+            P(y), P(at["expert_out"]), P(at["shared_out"] if shared is not None else 0), P(at["pos"]),
+            P(at["weight"]), I(d.active), I(d.dim)]))
+        self.launches = launches if d.tokens else []
+
+    def __call__(self, stream):
+        for launch in self.launches:
+            launch(stream)
+
+
+@functools.cache
+def _instances() -> tuple[str, ...]:
+    """Every instantiation moe.cu declares: one module, the one tests/test_build.py compiles."""
+    return tuple(instantiations((source_dir() / "moe.cu").read_text()))
