@@ -61,6 +61,18 @@ def test_logits_faithful(tmp_path):
     assert rel_rows(np.load(tmp_path / "o.npy"), f["logits_full"]).max() < 1e-4
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("storage, tol", [("float32", 1e-4), ("bf16", None)])
+def test_logits_on_the_gpu(tmp_path, storage, tol):
+    g = np.load(TINY_A / "golden.npz")
+    np.save(tmp_path / "ids.npy", g["input_ids"])
+    r = dsv4rt("logits", TINY_A, "--ids", tmp_path / "ids.npy", "--out", tmp_path / "o.npy", "--device", "cuda",
+               "--chunks", ",".join(map(str, g["chunks"])), "--storage", storage)
+    assert r.returncode == 0, r.stderr
+    err = rel_rows(np.load(tmp_path / "o.npy"), g["logits_chunked"])
+    assert err.max() < tol if tol else np.median(err) < 3e-2
+
+
 @pytest.mark.parametrize("chunks, message", [("40,1", "must be positive and sum to the 160 tokens"),
                                              ("4,x", "--chunks must be comma-separated integers")])
 def test_logits_bad_chunks(tmp_path, chunks, message):
@@ -81,6 +93,9 @@ def test_logits_bad_ids(tmp_path, ids, message):
 
 
 def test_logits_cuda_refused_clearly(tmp_path):
+    from dsv4rt.cuda.driver import gpu_visible
+    if gpu_visible():
+        pytest.skip("a GPU is visible")
     np.save(tmp_path / "ids.npy", np.array([1, 2, 3]))
     r = dsv4rt("logits", TINY_A, "--ids", tmp_path / "ids.npy", "--out", tmp_path / "o.npy", "--device", "cuda")
     assert_one_line_error(r, "--device cuda")

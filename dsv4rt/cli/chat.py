@@ -102,7 +102,7 @@ def chat(model, prompt, system, temperature, top_p, top_k, seed, max_new_tokens,
     from ..chat import load_tokenizer
     from ..chat.session import ChatSession, Generator
     from ..reference import load_model
-    resolve_device(device)
+    resolve_device(device, gpu_ready=False)
     params = SamplingParams(temperature, top_p, top_k, max_new_tokens, seed).check()
     path = Path(model) if model else _ensure_demo()
     session = ChatSession(Generator(load_model(path, numerics)), load_tokenizer(path), params, thinking, system)

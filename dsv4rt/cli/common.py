@@ -10,10 +10,17 @@ import numpy as np
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def resolve_device(name: str) -> str:
-    """The numpy reference is the only backend so far: `auto` means cpu, `cuda` is refused clearly."""
+def resolve_device(name: str, gpu_ready: bool = True) -> str:
+    """`auto` is cuda when a GPU is visible and the command has a GPU path (`gpu_ready`), else cpu."""
+    from ..cuda.driver import gpu_visible
     if name == "cuda":
-        raise ValueError("--device cuda: this build has no GPU backend yet; use --device cpu")
+        if not gpu_ready:
+            raise ValueError("--device cuda: this command runs on the CPU until the serving engine lands")
+        if not gpu_visible():
+            raise ValueError("--device cuda: no NVIDIA GPU visible")
+        return "cuda"
+    if name == "auto" and gpu_ready and gpu_visible():
+        return "cuda"
     return "cpu"
 
 

@@ -37,16 +37,34 @@ def _parse_chunks(text: str | None) -> list[int] | None:
 @click.option("--chunks", help="prefill chunk sizes, e.g. 40,1,56 (default: one chunk)")
 @click.option("--device", type=click.Choice(DEVICES), default="auto")
 @click.option("--numerics", type=click.Choice(["exact", "faithful"]), help="default: faithful for fp8 checkpoints")
-def logits(model, ids_path, out, chunks, device, numerics):
+@click.option("--storage", type=click.Choice(["bf16", "float32"]), default="bf16", show_default=True,
+              help="GPU storage type (float32: the kernels' tight-check build)")
+def logits(model, ids_path, out, chunks, device, numerics, storage):
     """Write the logits of every position of a prompt, fed in the given chunks."""
     from ..reference import load_model
-    resolve_device(device)
+    where = resolve_device(device)
     ids = _read_ids(ids_path)
     chunk_sizes = _parse_chunks(chunks)
     if not Path(out).resolve().parent.is_dir():
         raise ValueError(f"--out: folder {Path(out).parent} does not exist")
-    m = load_model(model, numerics)
-    save_npy_atomic(out, m.logits_chunked(ids, chunk_sizes).astype(np.float32))
+    if where == "cpu":
+        logits_all = load_model(model, numerics).logits_chunked(ids, chunk_sizes)
+    else:
+        logits_all = _gpu_logits(model, ids, chunk_sizes, numerics, storage)
+    save_npy_atomic(out, logits_all.astype(np.float32))
+
+
+def _gpu_logits(model, ids, chunk_sizes, numerics, storage) -> np.ndarray:
+    import ml_dtypes
+    from ..model.forward import GpuModel
+    if numerics == "faithful":
+        raise ValueError("--numerics faithful runs on the CPU for now (--device cpu); the GPU computes exact numerics")
+    chunk_sizes = chunk_sizes or [len(ids)]
+    if sum(chunk_sizes) != len(ids) or min(chunk_sizes) <= 0:
+        raise ValueError(f"chunk sizes {chunk_sizes} must be positive and sum to the {len(ids)} tokens")
+    m = GpuModel(model, np.float32 if storage == "float32" else ml_dtypes.bfloat16, max_len=len(ids))
+    bounds = np.cumsum([0] + chunk_sizes)
+    return np.concatenate([m.forward(ids[a:b]) for a, b in zip(bounds[:-1], bounds[1:])])
 
 
 @main.command()
