@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY_A = FIXTURES / "tiny-a"
@@ -19,10 +20,25 @@ def rel_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def pytest_collection_modifyitems(config, items):
     """GPU tests run only where a device is visible."""
-    import pytest
     from dsv4rt.cuda.driver import gpu_visible
     if any("gpu" in item.keywords for item in items) and not gpu_visible():
         skip = pytest.mark.skip(reason="no NVIDIA GPU visible")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def rt():
+    """A runtime per GPU test module: one 8 GiB arena, released when the module ends."""
+    from dsv4rt.cuda.runtime import Runtime
+    with Runtime(arena_bytes=8 << 30) as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def blas(rt):
+    from dsv4rt.model.gemm import Blas
+    b = Blas(rt.arena)
+    yield b
+    b.close()

@@ -11,21 +11,14 @@ pytestmark = pytest.mark.gpu
 FIXTURES = {"tiny-a": TINY_A, "real-ratios": REAL_RATIOS}
 
 
-@pytest.fixture(scope="module")
-def runtime():
-    from dsv4rt.cuda.runtime import Runtime
-    with Runtime(arena_bytes=6 << 30) as rt:
-        yield rt
-
-
 _models = {}
 
 
-def gpu_model(runtime, name, dtype):
+def gpu_model(rt, name, dtype):
     from dsv4rt.model.forward import GpuModel
     key = (name, np.dtype(dtype))
     if key not in _models:
-        _models[key] = GpuModel(FIXTURES[name], dtype, runtime=runtime, max_len=1024, kv_bytes=512 << 20)
+        _models[key] = GpuModel(FIXTURES[name], dtype, runtime=rt, max_len=1024, kv_bytes=512 << 20)
     m = _models[key]
     m.reset()
     return m
@@ -50,25 +43,25 @@ def incremental(m, ids, split):
 
 
 @pytest.mark.parametrize("name", FIXTURES)
-def test_float32_build_one_prefill_and_chunked(runtime, name):
+def test_float32_build_one_prefill_and_chunked(rt, name):
     g = golden(name)
-    m = gpu_model(runtime, name, np.float32)
+    m = gpu_model(rt, name, np.float32)
     assert rel_rows(m.forward(g["input_ids"]), g["logits_full"]).max() < 1e-4
     m.reset()
     assert rel_rows(feed(m, g["input_ids"], g["chunks"]), g["logits_chunked"]).max() < 1e-4
 
 
 @pytest.mark.parametrize("name", FIXTURES)
-def test_float32_build_token_by_token(runtime, name):
+def test_float32_build_token_by_token(rt, name):
     g = golden(name)
-    m = gpu_model(runtime, name, np.float32)
+    m = gpu_model(rt, name, np.float32)
     assert rel_rows(incremental(m, g["input_ids"], int(g["split"])), g["logits_incr"]).max() < 1e-4
 
 
 @pytest.mark.parametrize("name", FIXTURES)
-def test_bf16_build_end_to_end_statistics(runtime, name):
+def test_bf16_build_end_to_end_statistics(rt, name):
     g = golden(name)
-    m = gpu_model(runtime, name, ml_dtypes.bfloat16)
+    m = gpu_model(rt, name, ml_dtypes.bfloat16)
     runs = {"full": (m.forward(g["input_ids"]), g["logits_full"])}
     m.reset()
     runs["chunked"] = (feed(m, g["input_ids"], g["chunks"]), g["logits_chunked"])
@@ -90,10 +83,10 @@ TINY_A_FLIPS = pytest.mark.xfail(reason="bf16 flips tiny-a's near-tie top-8 sele
 
 
 @pytest.mark.parametrize("name", [pytest.param("tiny-a", marks=TINY_A_FLIPS), "real-ratios"])
-def test_bf16_layers_with_teacher_forcing(runtime, name):
+def test_bf16_layers_with_teacher_forcing(rt, name):
     """Each layer alone, fed the golden input streams (rounded to bf16, what the build can hold)."""
     g = golden(name)
-    m = gpu_model(runtime, name, ml_dtypes.bfloat16)
+    m = gpu_model(rt, name, ml_dtypes.bfloat16)
     ref = load_model(FIXTURES[name], "exact")
     T = len(g["input_ids"])
     for i in range(m.cfg.num_layers):

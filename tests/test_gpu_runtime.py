@@ -10,13 +10,6 @@ pytestmark = pytest.mark.gpu
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def rt():
-    from dsv4rt.cuda.runtime import Runtime
-    with Runtime(arena_bytes=512 * MiB) as r:
-        yield r
-
-
 def launch_rmsnorm(rt, dtype, out, x, w, rows, dim, stream=None):
     from dsv4rt.cuda import ops
     ops.rmsnorm(rt.device, dtype, out, x, w, rows, dim, 1e-6)(stream or rt.stream)

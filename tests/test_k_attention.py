@@ -23,13 +23,6 @@ DECODE_LENGTHS = [1, 3, 127, 128, 129, 1000, 4, 2600]
 PADDING_POSITION = 77777  # a padded row's position is garbage
 
 
-@pytest.fixture(scope="module")
-def rt():
-    from dsv4rt.cuda.runtime import Runtime
-    with Runtime(arena_bytes=1 << 30) as r:
-        yield r
-
-
 @pytest.fixture
 def dev(rt):
     """Copies host arrays to fresh device buffers, freed after the test."""

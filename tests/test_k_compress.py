@@ -14,7 +14,6 @@ from dsv4rt.reference.compressor import Compressor, CompressorState
 from dsv4rt.reference.ops import Rope
 
 pytestmark = pytest.mark.gpu
-MiB = 1 << 20
 BF16 = ml_dtypes.bfloat16
 DTYPES = [np.float32, BF16]
 EPS = 1e-6
@@ -24,13 +23,6 @@ FLASH_INV_FREQ = FLASH.rope_inv_freq(2).astype(np.float32)  # a c4a layer's YaRN
 # The stored entry is the only bf16 rounding of fusion 1 (its inputs are float32 GEMM outputs).
 ENTRY_TOL = {np.float32: 1e-5, BF16: 8e-3}
 SCORE_TOL = 1e-5  # both builds score the same (bf16-rounded) inputs in float32
-
-
-@pytest.fixture(scope="module")
-def rt():
-    from dsv4rt.cuda.runtime import Runtime
-    with Runtime(arena_bytes=1024 * MiB) as r:
-        yield r
 
 
 def inv_freq_table(rope_dim: int) -> np.ndarray:

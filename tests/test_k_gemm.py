@@ -8,22 +8,6 @@ from conftest import rel_rows
 
 pytestmark = pytest.mark.gpu
 BF16 = ml_dtypes.bfloat16
-GiB = 1 << 30
-
-
-@pytest.fixture(scope="module")
-def rt():
-    from dsv4rt.cuda.runtime import Runtime
-    with Runtime(arena_bytes=8 * GiB) as r:
-        yield r
-
-
-@pytest.fixture(scope="module")
-def blas(rt):
-    from dsv4rt.model.gemm import Blas
-    b = Blas(rt.arena)
-    yield b
-    b.close()
 
 
 def upload(rt, host):

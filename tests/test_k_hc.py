@@ -7,7 +7,6 @@ from conftest import rel_rows
 from dsv4rt.reference.hc import HyperConnection, HyperHead
 
 pytestmark = pytest.mark.gpu
-MiB = 1 << 20
 BF16 = ml_dtypes.bfloat16
 EPS, HC_EPS, ITERS = 1e-6, 1e-6, 20
 # (tokens, hc, dim): Flash, tiny-a, odd dims (100: bf16 rows not 16-byte multiples; 101: scalar everywhere),
@@ -16,13 +15,6 @@ SHAPES = [(1, 4, 4096), (7, 4, 4096), (300, 4, 4096), (1, 2, 64), (7, 2, 64), (3
           (300, 2, 100), (7, 2, 101), (1, 4, 101), (1100, 4, 4096), (3000, 2, 64), (8192, 2, 64),
           (4500, 4, 100), (4500, 2, 101)]
 DTYPES = [np.float32, BF16]
-
-
-@pytest.fixture(scope="module")
-def rt():
-    from dsv4rt.cuda.runtime import Runtime
-    with Runtime(arena_bytes=1024 * MiB) as r:
-        yield r
 
 
 @pytest.fixture

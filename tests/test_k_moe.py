@@ -13,23 +13,7 @@ from dsv4rt.reference.ops import Linear
 
 pytestmark = pytest.mark.gpu
 BF16 = ml_dtypes.bfloat16
-GiB = 1 << 30
 VOCAB = 1000
-
-
-@pytest.fixture(scope="module")
-def rt():
-    from dsv4rt.cuda.runtime import Runtime
-    with Runtime(arena_bytes=8 * GiB) as r:
-        yield r
-
-
-@pytest.fixture(scope="module")
-def blas(rt):
-    from dsv4rt.model.gemm import Blas
-    b = Blas(rt.arena)
-    yield b
-    b.close()
 
 
 def upload(rt, host):

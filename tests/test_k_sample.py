@@ -7,13 +7,6 @@ pytestmark = pytest.mark.gpu
 VOCAB = 129280
 
 
-@pytest.fixture(scope="module")
-def rt():
-    from dsv4rt.cuda.runtime import Runtime
-    with Runtime(arena_bytes=4 << 30) as r:
-        yield r
-
-
 def draw(rt, logits, temperature, top_k, top_p, seed, step):
     """Tokens for rows of logits with per-row parameters (scalars are broadcast)."""
     from dsv4rt.model.sample import sample

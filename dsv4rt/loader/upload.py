@@ -95,6 +95,8 @@ def upload(ck: Checkpoint, arena: Arena, stream: Stream, names=None, staging: in
         if bar:
             bar.close()
     seconds = time.perf_counter() - t0
+    if bar:
+        print(f"uploaded {total / 1e9:.2f} GB in {seconds:.1f} s ({total / seconds / 1e9:.2f} GB/s)", file=sys.stderr)
     arrays = {n: DeviceArray(buf.ptr + offsets[n], ck.raw(n).shape, ck.raw(n).dtype, buf) for n in names}
     return DeviceWeights(buf, arrays, total, seconds)
 
