@@ -57,19 +57,24 @@ def _random(name: str, shape, rng: np.random.Generator, n_experts: int) -> np.nd
     elif leaf in ("ape", "bias") or leaf.endswith("_base"):
         x = (0.1 if leaf == "bias" else 0.5) * rng.standard_normal(shape)
     else:
-        x = rng.standard_normal(shape) / np.sqrt(shape[-1])
+        x = rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[-1]))
     return x.astype(np.float32 if _is_fp32(name) else ml_dtypes.bfloat16)
 
 
 def make_tiny(out: str | Path, preset: str = "demo", seed: int = 0) -> Path:
-    """Write the checkpoint into `out` atomically: a temporary sibling folder renamed at the end."""
+    """Write a preset's random checkpoint, with the V4 tokenizer, into the new folder `out`."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset '{preset}' (choose from {', '.join(PRESETS)})")
+    return write_random_checkpoint(out, PRESETS[preset], seed)
+
+
+def write_random_checkpoint(out: str | Path, raw: dict, seed: int = 0, tokenizer: bool = True) -> Path:
+    """config.json `raw` and random weights in the official names and dtypes, written atomically:
+    a temporary sibling folder renamed at the end."""
     from .chat import tokenizer_json_path
     out = Path(out)
     if out.exists():
         raise ValueError(f"{out} already exists; choose a new folder")
-    raw = PRESETS[preset]
     cfg = from_dict(raw)
     rng = np.random.default_rng(seed)
     tensors = {n: _random(n, s, rng, cfg.n_experts) for n, s in expected_shapes(cfg).items()}
@@ -78,7 +83,8 @@ def make_tiny(out: str | Path, preset: str = "demo", seed: int = 0) -> Path:
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "np"})
         (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-        shutil.copyfile(tokenizer_json_path(), tmp / "tokenizer.json")
+        if tokenizer:
+            shutil.copyfile(tokenizer_json_path(), tmp / "tokenizer.json")
         umask = os.umask(0)
         os.umask(umask)
         for f in tmp.iterdir():

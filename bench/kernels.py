@@ -1,0 +1,225 @@
+"""Each kernel of the bf16 GPU forward at Flash sizes, decode batches 1, 8, 64 and contexts 4K, 64K:
+time, achieved GB/s and TFLOP/s, and the fraction of the measured ceilings (device copy bandwidth,
+cuBLAS bf16 matrix rate).
+
+usage: python bench/kernels.py [--batches 1,8,64] [--contexts 4096,65536] [--reps 20]
+Bytes count each input read once and each output written once (METHOD.md). Weights and caches hold
+random values tiled from one random block; expert weights a constant (12.9 GB of them).
+Prints a table and writes bench/results/kernels.json.
+"""
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from dsv4rt.cuda import ops
+from dsv4rt.cuda.device import Event, Graph
+from dsv4rt.cuda.driver import check, drv
+from dsv4rt.cuda.runtime import Runtime
+from dsv4rt.model import attention as attn_k, compress as comp_k, hc as hc_k
+from dsv4rt.model.gemm import Blas, grouped_linear, linear
+from dsv4rt.model.moe import ExpertWeights, MoE, MoeDims, pointer_table, workspace_bytes
+from dsv4rt.model.paged import PagedCache
+from dsv4rt.model.sample import sample
+
+BF16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
+D, H, HD, RD, QL, G, OL, W = 4096, 64, 512, 64, 1024, 8, 1024, 128
+NI, DI, TOPK, E, K_ACT, INTER, HC, V = 64, 128, 512, 256, 6, 2048, 4, 129280
+RANDOM = 64 << 20
+
+
+class Bench:
+    def __init__(self, rt, reps: int):
+        self.rt, self.reps, self.rows = rt, reps, []
+        self.dev, self.st = rt.device, rt.stream
+        self.block = rt.arena.alloc(RANDOM)
+        rng = np.random.default_rng(0)
+        self.block.copy_from_host((rng.standard_normal(RANDOM // 2, np.float32) * 0.05).astype(BF16))
+
+    def buf(self, nbytes: int, fill: bool = True):
+        """Arena memory tiled with the random block (bf16 values ~ N(0, 0.05))."""
+        b = self.rt.arena.alloc(nbytes)
+        for at in range(0, nbytes if fill else 0, RANDOM):
+            check(drv().cuMemcpyDtoDAsync(b.ptr + at, self.block.ptr, min(RANDOM, nbytes - at), self.st.handle))
+        return b
+
+    def host(self, array: np.ndarray):
+        b = self.rt.arena.alloc(array.nbytes)
+        b.copy_from_host(np.ascontiguousarray(array))
+        return b
+
+    def time(self, run) -> float:
+        """Median seconds of one call, from a graph of `reps` calls replayed 5 times."""
+        run(self.st)
+        graph = Graph(self.st)
+        with graph:
+            for _ in range(self.reps):
+                run(self.st)
+        times = []
+        for _ in range(5):
+            a, b = Event(), Event()
+            self.st.record(a)
+            graph.replay()
+            self.st.record(b)
+            b.synchronize()
+            times.append(a.elapsed_ms(b) / 1e3 / self.reps)
+        graph.close()
+        return statistics.median(times)
+
+    def record(self, name, batch, ctx, run, nbytes, flops=0.0):
+        try:
+            t = self.time(run)
+        except Exception as e:  # one kernel failing must not hide the others' numbers
+            print(f"{name:28s} B={batch:<3d} ctx={ctx:<6d} failed: {e}")
+            return
+        self.rows.append(dict(kernel=name, batch=batch, context=ctx, us=t * 1e6, gbps=nbytes / t / 1e9,
+                              tflops=flops / t / 1e12))
+
+
+def ceilings(b: Bench, blas: Blas) -> tuple[float, float]:
+    n = 2 << 30
+    src, dst = b.buf(n), b.buf(n, fill=False)
+    copy = b.time(lambda s: check(drv().cuMemcpyDtoDAsync(dst.ptr, src.ptr, n, s.handle)))
+    src.free()
+    dst.free()
+    m = 8192
+    x, w, y = b.buf(m * m * 2), b.buf(m * m * 2), b.buf(m * m * 2, fill=False)
+    mm = b.time(linear(blas, BF16, x.ptr, w.ptr, y.ptr, m, m, m))
+    for z in (x, w, y):
+        z.free()
+    return 2 * n / copy / 1e9, 2 * m ** 3 / mm / 1e12
+
+
+def paged(b: Bench, requests: int, entries: int, per_page: int, entry_bytes: int, held_from: int = 0):
+    """A cache of `entries` entries per request, pages scattered in one random-filled pool; columns
+    before `held_from` are not held (-1), as a sliding window's."""
+    cols = -(-entries // per_page)
+    page = per_page * entry_bytes
+    pool = b.buf(requests * (cols - held_from) * page)
+    order = np.random.default_rng(requests + entries).permutation(requests * (cols - held_from))
+    table = np.full((requests, cols), -1, np.int64)
+    table[:, held_from:] = (order * page).reshape(requests, cols - held_from)
+    return PagedCache(pool.ptr, b.host(table.reshape(-1)).ptr,
+                      b.host(np.arange(requests, dtype=np.int32) * cols).ptr, per_page, entry_bytes), pool
+
+
+def per_batch(b: Bench, blas: Blas, B: int):
+    T = BF16.itemsize
+    x, y = b.buf(B * D * 2), b.buf(B * D * 2, fill=False)
+    w = b.host(np.ones(D, np.float32))
+    b.record("rmsnorm", B, 0, ops.rmsnorm(b.dev, BF16, y.ptr, x.ptr, w.ptr, B, D, 1e-6), 2 * B * D * T + D * 4)
+    X = b.buf(B * HC * D * T)
+    fn, base, scale = b.host(np.random.default_rng(1).standard_normal(((2 + HC) * HC, HC * D), np.float32) * 0.01), \
+        b.host(np.zeros((2 + HC) * HC, np.float32)), b.host(np.ones(3, np.float32))
+    post, comb = b.buf(B * HC * 4, fill=False), b.buf(B * HC * HC * 4, fill=False)
+    b.record("hc_pre", B, 0, hc_k.pre(b.dev, BF16, y.ptr, post.ptr, comb.ptr, X.ptr, fn.ptr, base.ptr, scale.ptr, B,
+                                      HC, D, 1e-6, 1e-6, 20), B * HC * D * T + fn.nbytes + B * D * T)
+    b.record("hc_post", B, 0, hc_k.post(b.dev, BF16, X.ptr, X.ptr, x.ptr, post.ptr, comb.ptr, B, HC, D),
+             2 * B * HC * D * T + B * D * T)
+    gemms = [("gemm wq_a 4096>1024", D, QL, BF16), ("gemm wq_b 1024>32768", QL, H * HD, BF16),
+             ("gemm wkv 4096>512", D, HD, BF16), ("gemm compressor 4096>1024 f32", D, 2 * HD, F32),
+             ("gemm wo_b 8192>4096", G * OL, D, BF16), ("gemm head 4096>129280 f32", D, V, F32)]
+    for name, k, n, out in gemms:
+        xa, wa, ya = b.buf(B * k * T), b.buf(n * k * T), b.buf(B * n * out.itemsize, fill=False)
+        b.record(name, B, 0, linear(blas, BF16, xa.ptr, wa.ptr, ya.ptr, B, n, k, out),
+                 (B * k + n * k) * T + B * n * out.itemsize, 2 * B * n * k)
+        for z in (xa, wa, ya):
+            z.free()
+    o, wo, t = b.buf(B * H * HD * T), b.buf(G * OL * (H * HD // G) * T), b.buf(B * G * OL * T, fill=False)
+    b.record("gemm wo_a grouped 8x4096>1024", B, 0, grouped_linear(blas, BF16, o.ptr, wo.ptr, t.ptr, B, G, OL, H * HD // G),
+             (o.nbytes + wo.nbytes + t.nbytes), 2 * B * G * OL * (H * HD // G))
+    moe(b, blas, B)
+    logits = b.buf(B * V * 4)
+    temp, topk, topp = b.host(np.full(B, 0.7, np.float32)), b.host(np.zeros(B, np.int32)), b.host(np.full(B, 0.95, np.float32))
+    seed, step, out = b.host(np.arange(B, dtype=np.uint64)), b.host(np.zeros(B, np.uint64)), b.buf(B * 4, fill=False)
+    b.record("sample top-p", B, 0, sample(b.dev, out.ptr, logits.ptr, B, V, temp.ptr, topk.ptr, topp.ptr, seed.ptr,
+                                          step.ptr), B * V * 4)
+
+
+def moe(b: Bench, blas: Blas, B: int):
+    T = BF16.itemsize
+    rng = np.random.default_rng(B)
+    xh = (rng.standard_normal((B, D)) * 0.5).astype(BF16)
+    gate_h = (rng.standard_normal((E, D)) / np.sqrt(D)).astype(BF16)
+    bias_h = (0.1 * rng.standard_normal(E)).astype(np.float32)
+    s = np.sqrt(np.logaddexp(0, xh.astype(np.float32) @ gate_h.astype(np.float32).T)) + bias_h
+    touched = len(np.unique(np.argpartition(-s, K_ACT - 1, axis=1)[:, :K_ACT]))
+    per = INTER * D
+    experts = b.rt.arena.alloc(E * 3 * per * T)
+    check(drv().cuMemsetD16Async(experts.ptr, 0x3C00, E * 3 * per, b.st.handle))  # bf16 0.0078: not zeros
+    tables = [pointer_table(b.rt.arena, [experts.ptr + (3 * e + m) * per * T for e in range(E)]) for m in range(3)]
+    shared = b.buf(3 * per * T)
+    dims = MoeDims(B, D, INTER, E, K_ACT, INTER)
+    ws = b.rt.arena.alloc(workspace_bytes(dims, BF16))
+    x, y = b.host(xh), b.buf(B * D * T, fill=False)
+    run = MoE(b.dev, blas, BF16, dims, x=x.ptr, y=y.ptr, gate=b.host(gate_h).ptr,
+              routed=ExpertWeights(*(t.ptr for t in tables)),
+              shared=ExpertWeights(shared.ptr, shared.ptr + per * T, shared.ptr + 2 * per * T), scaling=1.5,
+              limit=10.0, workspace=ws.ptr, bias=b.host(bias_h).ptr)
+    nbytes = (touched + 1) * 3 * per * T + gate_h.nbytes + 2 * B * D * T
+    b.record(f"moe 256x2048 top-6 ({touched} experts)", B, 0, run, nbytes, 2 * B * (K_ACT + 1) * 3 * per)
+    experts.free()
+
+
+def per_context(b: Bench, B: int, C: int):
+    T = BF16.itemsize
+    rng = np.random.default_rng(C + B)
+    pos, req = b.host(np.full(B, C, np.int32)), b.host(np.arange(B, dtype=np.int32))
+    inv = b.host((160000.0 ** (-np.arange(0, RD, 2) / RD)).astype(np.float32))
+    sink = b.host(rng.standard_normal(H).astype(np.float32))
+    q, o = b.buf(B * H * HD * T), b.buf(B * H * HD * T, fill=False)
+    window, _ = paged(b, B, C + 1, 64, HD * T, held_from=(C + 1 - W) // 64)
+    n4, n128 = (C + 1) // 4, (C + 1) // 128
+    c4a, _ = paged(b, B, n4, 64, HD * T)
+    c128a, _ = paged(b, B, n128, 2, HD * T)
+    sel = np.sort(np.stack([rng.choice(n4, TOPK, replace=False) for _ in range(B)]), axis=1).astype(np.int32)
+    selected = b.host(sel)
+    for mode, cache, chosen, ratio, keys in (("c4a", c4a, selected.ptr, 4, W + TOPK), ("c128a", c128a, None, 128, W + n128),
+                                             ("sliding", None, None, 0, W)):
+        tiles = -(-keys // 16)
+        splits = max(1, min(tiles, -(-4 * b.dev.sm_count // (B * 8))))
+        ws = b.rt.arena.alloc(max(16, attn_k.attention_workspace_bytes(B, H, HD, splits)))
+        run = attn_k.sparse_attention(b.dev, BF16, o.ptr, q.ptr, pos.ptr, req.ptr, sink.ptr, inv.ptr, window, cache,
+                                      chosen, rows=B, heads=H, head_dim=HD, rope_dim=RD, window_size=W, ratio=ratio,
+                                      top_k=TOPK if chosen else 0, splits=splits, workspace=ws.ptr)
+        b.record(f"attention decode {mode}", B, C, run, B * keys * HD * T + 2 * B * H * HD * T,
+                 4 * B * H * keys * HD)
+    keys_cache, _ = paged(b, B, n4, 64, DI * T)
+    qi, wi = b.buf(B * NI * DI * T), b.host(rng.standard_normal((B, NI)).astype(np.float32))
+    scores, out = b.buf(B * n4 * 4, fill=False), b.buf(B * TOPK * 4, fill=False)
+    run = comp_k.indexer_select(b.dev, BF16, out.ptr, scores.ptr, qi.ptr, wi.ptr, keys_cache, pos.ptr, req.ptr, rows=B,
+                                heads=NI, head_dim=DI, topk=TOPK, n_max=n4, ratio=4, inv_freq=inv.ptr, rope_dim=RD)
+    b.record("indexer scores + top-512", B, C, run, B * n4 * DI * T + 2 * B * n4 * 4 + B * TOPK * 4,
+             2 * B * n4 * NI * DI)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--contexts", default="4096,65536")
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args()
+    batches, contexts = [int(v) for v in a.batches.split(",")], [int(v) for v in a.contexts.split(",")]
+    with Runtime(arena_bytes=40 << 30) as rt:
+        b, blas = Bench(rt, a.reps), Blas(rt.arena)
+        copy, mm = ceilings(b, blas)
+        for B in batches:
+            per_batch(b, blas, B)
+            for C in contexts:
+                per_context(b, B, C)
+    print(f"ceilings: device copy {copy:.0f} GB/s, cuBLAS bf16 {mm:.0f} TFLOP/s")
+    print(f"{'kernel':34s} {'B':>3s} {'ctx':>6s} {'us':>9s} {'GB/s':>7s} {'TFLOP/s':>8s} {'of ceiling':>10s}")
+    for r in b.rows:
+        r["fraction"] = max(r["gbps"] / copy, r["tflops"] / mm)
+        print(f"{r['kernel']:34s} {r['batch']:3d} {r['context'] or '':>6} {r['us']:9.1f} {r['gbps']:7.0f} "
+              f"{r['tflops']:8.2f} {r['fraction']:10.3f}")
+    out = Path(__file__).parent / "results" / "kernels.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(dict(copy_gbps=copy, bf16_tflops=mm, rows=b.rows), indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
