@@ -43,14 +43,17 @@ class GpuModel:
     def __init__(self, model_dir, dtype=ml_dtypes.bfloat16, *, runtime: Runtime | None = None,
                  max_len: int = 4096, kv_bytes: int = 256 << 20):
         self.dtype = np.dtype(dtype)
-        self.rt = runtime or Runtime(arena_bytes=None)
-        rt, cfg = self.rt, None
+        self.rt = rt = runtime or Runtime(arena_bytes=None)
         with Checkpoint.open(model_dir) as ck:
             ck.validate()
-            cfg = ck.config
+            self.cfg = cfg = ck.config
             self.w = load_weights(ck, self.dtype, rt.arena, rt.stream).arrays
-        self.cfg, self.max_len = cfg, max_len
-        self.rows = max(1, cfg.window - 1)  # a step's keys must all be in the window cache (see steps())
+        self.max_len = max_len
+        # The attention kernel reads a step's keys from the window cache, and the block manager holds
+        # window pages only for the positions the next step reads: steps of at most window-1 tokens
+        # keep every key a step needs in the cache. Reading the step's own keys from its workspace
+        # lifts this (the serving engine's prefill throughput needs it).
+        self.rows = max(1, cfg.window - 1)
         self.plan = build_plan(cfg, "exact", element_bytes=self.dtype.itemsize)
         self.kv = rt.arena.alloc(kv_bytes, "KV cache")
         self.allocator = SlabAllocator(kv_bytes, self.plan.class_page_bytes)
