@@ -89,6 +89,8 @@ class ModelConfig:
     @staticmethod
     def load(path: str | Path) -> "ModelConfig":
         path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"{path} does not exist")
         if path.is_dir():
             path = path / "config.json"
         try:

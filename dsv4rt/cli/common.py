@@ -15,7 +15,7 @@ def resolve_device(name: str, gpu_ready: bool = True) -> str:
     from ..cuda.driver import gpu_visible
     if name == "cuda":
         if not gpu_ready:
-            raise ValueError("--device cuda: this command runs on the CPU until the serving engine lands")
+            raise ValueError("--device cuda: not available for this command or numerics yet; use --device cpu")
         if not gpu_visible():
             raise ValueError("--device cuda: no NVIDIA GPU visible")
         return "cuda"

@@ -41,8 +41,10 @@ def _parse_chunks(text: str | None) -> list[int] | None:
               help="GPU storage type (float32: the kernels' tight-check build)")
 def logits(model, ids_path, out, chunks, device, numerics, storage):
     """Write the logits of every position of a prompt, fed in the given chunks."""
-    from ..reference import load_model
-    where = resolve_device(device)
+    from ..config import ModelConfig
+    from ..reference import default_numerics, load_model
+    numerics = numerics or default_numerics(ModelConfig.load(model))
+    where = resolve_device(device, gpu_ready=numerics == "exact")  # faithful numerics: CPU only, for now
     ids = _read_ids(ids_path)
     chunk_sizes = _parse_chunks(chunks)
     if not Path(out).resolve().parent.is_dir():
@@ -50,15 +52,13 @@ def logits(model, ids_path, out, chunks, device, numerics, storage):
     if where == "cpu":
         logits_all = load_model(model, numerics).logits_chunked(ids, chunk_sizes)
     else:
-        logits_all = _gpu_logits(model, ids, chunk_sizes, numerics, storage)
+        logits_all = _gpu_logits(model, ids, chunk_sizes, storage)
     save_npy_atomic(out, logits_all.astype(np.float32))
 
 
-def _gpu_logits(model, ids, chunk_sizes, numerics, storage) -> np.ndarray:
+def _gpu_logits(model, ids, chunk_sizes, storage) -> np.ndarray:
     import ml_dtypes
     from ..model.forward import GpuModel
-    if numerics == "faithful":
-        raise ValueError("--numerics faithful runs on the CPU for now (--device cpu); the GPU computes exact numerics")
     chunk_sizes = chunk_sizes or [len(ids)]
     if sum(chunk_sizes) != len(ids) or min(chunk_sizes) <= 0:
         raise ValueError(f"chunk sizes {chunk_sizes} must be positive and sum to the {len(ids)} tokens")

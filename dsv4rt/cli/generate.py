@@ -1,0 +1,60 @@
+"""`dsv4rt generate`: complete a file of prompts in one batch."""
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+from . import main
+from .common import DEVICES
+from ..reference.sampling import SamplingParams
+
+
+def _read_prompts(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.rstrip("\r\n") for line in f]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot read prompts ({e})") from None
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise ValueError(f"{path}: no prompts (one per line)")
+    return prompts
+
+
+@main.command()
+@click.argument("model", type=click.Path(file_okay=False))
+@click.option("--prompts", "prompts_path", required=True, type=click.Path(dir_okay=False), help="one prompt a line")
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--temperature", default=0.7, show_default=True, type=float, help="0: greedy")
+@click.option("--seed", type=int, help="default: a fresh seed")
+@click.option("--chat/--raw", default=True, show_default=True, help="wrap each prompt as a user turn, or feed it as is")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object a line: ids, text, finish reason")
+@click.option("--stats", is_flag=True, help="print time to first token and throughput on stderr")
+@click.option("--device", type=click.Choice(DEVICES), default="auto", help="auto: cpu until the GPU runner lands")
+@click.option("--numerics", type=click.Choice(["exact", "faithful"]), help="default: faithful for fp8 checkpoints")
+def generate(model, prompts_path, max_new_tokens, temperature, seed, chat, as_json, stats, device, numerics):
+    """Complete every prompt of a file, batched by the serving engine."""
+    from ..chat import encode_messages
+    from ..engine import Engine
+    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed).check()
+    prompts = _read_prompts(prompts_path)
+    texts = [encode_messages([{"role": "user", "content": p}]) for p in prompts] if chat else prompts
+    engine = Engine(model, "cpu" if device == "auto" else device, numerics=numerics)
+    start = time.perf_counter()
+    outputs = engine.generate(texts, params)
+    seconds = time.perf_counter() - start
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        if as_json:
+            click.echo(json.dumps(dict(index=i, prompt=prompt, prompt_ids=out.prompt_ids, token_ids=out.token_ids,
+                                       text=out.text, finish_reason=out.finish_reason), ensure_ascii=False))
+        else:
+            click.echo(f"--- {i} ({out.finish_reason})\n{out.text}")
+    if stats:
+        firsts = [o.first_token_s for o in outputs if o.first_token_s is not None]
+        generated = sum(len(o.token_ids) for o in outputs)
+        ttft = f"{1e3 * sum(firsts) / len(firsts):.1f} ms mean, {1e3 * max(firsts):.1f} ms max" if firsts else "n/a"
+        click.echo(f"requests {len(outputs)}, prompt tokens {sum(len(o.prompt_ids) for o in outputs)}, "
+                   f"generated tokens {generated}; time to first token {ttft}; "
+                   f"{seconds:.2f} s, {generated / seconds:.1f} tokens/s", err=True)
