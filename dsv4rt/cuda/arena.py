@@ -126,11 +126,6 @@ class DeviceArray:
         typestr = f"<u{self.dtype.itemsize}" if self.dtype.kind == "V" else self.dtype.str  # ml_dtypes
         return dict(shape=self.shape, typestr=typestr, data=(self.ptr, False), version=3, strides=None, stream=None)
 
-    def view(self, dtype) -> "DeviceArray":
-        dtype = np.dtype(dtype)
-        last = self.shape[-1] * self.dtype.itemsize // dtype.itemsize
-        return DeviceArray(self.ptr, self.shape[:-1] + (last,), dtype, self.owner)
-
     def to_host(self) -> np.ndarray:
         out = np.empty(self.shape, self.dtype)
         check(drv().cuMemcpyDtoH(out.ctypes.data, self.ptr, self.nbytes))
