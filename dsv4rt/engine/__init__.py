@@ -1,0 +1,7 @@
+"""The serving engine: requests, a continuous-batching scheduler over the paged KV cache, model runners."""
+from .engine import Engine, RequestOutput
+from .request import Request, Status
+from .runner import CpuRunner, Runner
+from .scheduler import Scheduler, Step
+
+__all__ = ["CpuRunner", "Engine", "Request", "RequestOutput", "Runner", "Scheduler", "Status", "Step"]

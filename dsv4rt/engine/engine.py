@@ -1,0 +1,139 @@
+"""The engine: requests in, tokens out; each step schedules, runs the model and samples."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Hashable, Iterator, Sequence
+
+from ..chat import EOS, StreamDecoder, load_tokenizer
+from ..kv.blocks import BlockManager
+from ..kv.plan import build_plan
+from ..kv.slab import DEFAULT_SLAB_BYTES, SlabAllocator
+from ..reference import load_model
+from ..reference.sampling import SamplingParams, sample
+from .request import Request
+from .runner import CpuRunner, Runner
+from .scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    id: Hashable
+    prompt_ids: list[int]
+    token_ids: list[int]           # without the EOS that ended it
+    text: str
+    finish_reason: str | None
+    first_token_s: float | None    # seconds from add_request to the first generated token
+
+
+class Engine:
+    def __init__(self, model_dir, device: str = "cpu", kv_bytes: int = 1 << 30, token_budget: int = 512,
+                 max_running: int = 64, numerics: str | None = None, slab_bytes: int = DEFAULT_SLAB_BYTES):
+        if device == "cuda":
+            raise ValueError("the GPU model runner is not built yet; use device='cpu'")
+        if device != "cpu":
+            raise ValueError(f"device must be 'cpu' or 'cuda', got '{device}'")
+        self.model = load_model(model_dir, numerics)
+        self.tokenizer = load_tokenizer(model_dir)
+        # On the CPU the pages hold nothing, but they make admission and preemption real.
+        plan = build_plan(self.model.cfg, numerics)
+        blocks = BlockManager(plan, SlabAllocator(kv_bytes, plan.class_page_bytes, slab_bytes))
+        self.scheduler = Scheduler(blocks, token_budget, max_running)
+        self.runner: Runner = CpuRunner(self.model)
+        self._live: dict[Hashable, Request] = {}
+        self._ids = itertools.count()
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> int:
+        params = (params or SamplingParams()).check()
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids if isinstance(prompt, str) else \
+            [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.cfg.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        request = Request(next(self._ids), ids, params)
+        self.scheduler.add(request)
+        self._live[request.id] = request
+        return request.id
+
+    def abort(self, request_id: Hashable) -> bool:
+        """Stop a live request and free its pages; False when none has that id."""
+        if self.scheduler.abort(request_id) is None:
+            return False
+        self.runner.release(request_id)
+        self._live.pop(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduled step; the outputs of the requests it finished."""
+        step = self.scheduler.schedule()
+        if not step:
+            if self._live:
+                raise RuntimeError("the scheduler made no progress with requests pending")
+            return []
+        logits = self.runner.run(step)
+        finished = []
+        for request, n in step:
+            request.computed += n
+            if request.remaining:          # a prefill chunk short of the last token: nothing to sample
+                continue
+            token = sample(logits[request.id], request.params, request.rng)
+            if request.first_token_at is None:
+                request.first_token_at = time.perf_counter()
+            if token != EOS:
+                request.generated.append(token)
+            if token == EOS or len(request.generated) >= request.params.max_new_tokens:
+                self.scheduler.finish(request, "stop" if token == EOS else "length")
+                self.runner.release(request.id)
+                del self._live[request.id]
+                finished.append(self.output(request))
+        return finished
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run the prompts to completion, batched; outputs in the prompts' order."""
+        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
+        requests = []
+        try:
+            for prompt, p in zip(prompts, per_prompt):
+                requests.append(self._live[self.add_request(prompt, p)])
+            while any(not r.done for r in requests):
+                self.step()
+        except BaseException:
+            for r in requests:
+                self.abort(r.id)
+            raise
+        return [self.output(r) for r in requests]
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[str]:
+        """Text pieces of one completion as they are sampled; closing the iterator early aborts it."""
+        request = self._live[self.add_request(prompt, params)]
+        decoder, sent = StreamDecoder(self.tokenizer), 0
+        try:
+            while True:
+                while sent < len(request.generated):
+                    piece = decoder.push(request.generated[sent])
+                    sent += 1
+                    if piece:
+                        yield piece
+                if request.done:
+                    break
+                self.step()
+            tail = decoder.flush()
+            if tail:
+                yield tail
+        finally:
+            if not request.done:
+                self.abort(request.id)
+
+    def output(self, request: Request) -> RequestOutput:
+        first = None if request.first_token_at is None else request.first_token_at - request.arrived
+        return RequestOutput(request.id, list(request.prompt), list(request.generated),
+                             self.tokenizer.decode(request.generated), request.finish_reason, first)

@@ -1,0 +1,40 @@
+"""Model runners: they execute a scheduled step and return each request's next-token logits."""
+from __future__ import annotations
+
+from typing import Hashable, Protocol
+
+import numpy as np
+
+from ..reference import Model, SequenceState
+from .scheduler import Step
+
+
+class Runner(Protocol):
+    def run(self, step: Step) -> dict[Hashable, np.ndarray]:
+        """Feed each request's tokens [computed, computed + n); the logits [vocab] of its last one."""
+
+    def release(self, request_id: Hashable) -> None:
+        """Forget a request that finished or was aborted."""
+
+
+class CpuRunner:
+    """The reference model, one SequenceState per request, fed request by request."""
+
+    def __init__(self, model: Model):
+        self.model = model
+        self.states: dict[Hashable, SequenceState] = {}
+
+    def run(self, step: Step) -> dict[Hashable, np.ndarray]:
+        out = {}
+        for request, n in step:
+            if request.computed == 0:      # new, or preempted: recompute from the first token
+                self.states[request.id] = self.model.new_state()
+            state = self.states[request.id]
+            if state.pos != request.computed:
+                raise RuntimeError(f"request {request.id!r}: state at {state.pos}, scheduled from {request.computed}")
+            ids = request.tokens(request.computed, request.computed + n)
+            out[request.id] = self.model.forward(state, np.array(ids, np.int64))[-1]
+        return out
+
+    def release(self, request_id: Hashable) -> None:
+        self.states.pop(request_id, None)
