@@ -193,7 +193,7 @@ def test_plan_command_json_defaults_to_faithful_for_fp8_checkpoints():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--model", "/no/such/model", "--context", 10], "config file not found"),
+    (["--model", "/no/such/model", "--context", 10], "does not exist"),
     (["--model", TINY_A, "--context", 0], "--context must be positive"),
     (["--model", TINY_A, "--context", 10, "--batch", -1], "--batch must be positive"),
 ])
