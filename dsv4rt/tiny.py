@@ -29,6 +29,13 @@ PRESETS = {
                  layer_types=[SLIDING, CSA, HCA, CSA], mlp_layer_types=[HASH_MOE, MOE, MOE, MOE],
                  index_n_heads=8, index_head_dim=32, index_topk=16, n_routed_experts=8,
                  num_experts_per_tok=2, moe_intermediate_size=128, hc_mult=4),
+    # the serving benchmark's model: Flash sizes, 8 layers, 32 experts (8.7 B parameters, 17 GB in bf16)
+    "flash-slice": dict(_BASE, hidden_size=4096, num_hidden_layers=8, num_attention_heads=64, head_dim=512,
+                        qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
+                        layer_types=[SLIDING, CSA, HCA, CSA, HCA, CSA, HCA, CSA],
+                        mlp_layer_types=[HASH_MOE] * 3 + [MOE] * 5, index_n_heads=64, index_head_dim=128,
+                        index_topk=512, n_routed_experts=32, num_experts_per_tok=6, moe_intermediate_size=2048,
+                        hc_mult=4),
     # the smallest model with the real vocabulary, for command-line tests
     "tiny": dict(_BASE, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, head_dim=32,
                  qk_rope_head_dim=16, q_lora_rank=32, o_groups=1, o_lora_rank=32,

@@ -226,3 +226,16 @@ def test_ctrl_c_stops_the_reply_and_the_chat_goes_on(tiny_model):
     out, err = p.communicate(b"/help\n", timeout=120)
     assert p.returncode == 0, err
     assert b"[stopped]" in out and b"/system TEXT" in out and b"Traceback" not in err
+
+
+def test_flash_slice_preset_has_flash_sizes():
+    from dsv4rt.config import from_dict
+    from dsv4rt.loader import expected_shapes
+    from dsv4rt.tiny import PRESETS
+    c = from_dict(PRESETS["flash-slice"])
+    assert (c.hidden_size, c.num_heads, c.head_dim, c.q_lora_rank, c.o_groups, c.o_lora_rank) == \
+        (4096, 64, 512, 1024, 8, 1024)
+    assert (c.index_n_heads, c.index_head_dim, c.index_topk, c.window, c.hc_mult) == (64, 128, 512, 128, 4)
+    assert c.ratios == (0, 4, 128, 4, 128, 4, 128, 4) and (c.n_experts, c.n_active, c.moe_inter) == (32, 6, 2048)
+    params = sum(int(np.prod(s)) for s in expected_shapes(c).values())
+    assert 8.5e9 < params < 8.8e9  # 17 GB of bf16
