@@ -1,4 +1,6 @@
-"""Serving engine on the CPU: scheduler policy over a real BlockManager, exact recompute, aborts, the CLI."""
+"""Serving engine on the CPU: scheduler policy over a real BlockManager, exact recompute, aborts, the prefix
+cache, the CLI."""
+import hashlib
 import json
 import os
 import subprocess
@@ -8,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import TINY_A
+from conftest import TINY_A, rel_rows
 from dsv4rt.config import ModelConfig
-from dsv4rt.engine import Engine, Request, Scheduler, Status
+from dsv4rt.engine import Engine, PrefixCache, Request, Scheduler, Status, block_hashes
 from dsv4rt.kv.blocks import BlockManager
 from dsv4rt.kv.plan import build_plan
 from dsv4rt.kv.slab import SlabAllocator
@@ -154,30 +156,40 @@ class RandomRunner:
         check_step(self.scheduler, step)
         for r, n in step:
             assert self.fed.get(r.id, 0) == r.computed or r.computed == 0
+            assert (r.computed + n) % 256 == 0 or (r.computed + n) // 256 == r.computed // 256   # one block at most
             self.fed[r.id] = r.computed + n
         return {r.id: self.rng.standard_normal(16) for r, _ in step}
 
     def release(self, request_id):
         self.fed.pop(request_id, None)
 
+    def snapshot(self, request_id):
+        return self.fed[request_id]
+
+    def restore(self, request_id, snapshot):
+        self.fed[request_id] = snapshot
+
 
 def test_soak_random_requests_and_aborts(tiny):
     rng = np.random.default_rng(1)
     e = Engine(tiny, kv_bytes=16 * SLAB, slab_bytes=SLAB, token_budget=64, max_running=16)
     e.runner = RandomRunner(e.scheduler, seed=2)
+    shared = rng.integers(2, 1000, 300)
     requests, aborted = [], set()
     while len(requests) < 200 or e.has_unfinished():
         for _ in range(rng.integers(0, 4) if len(requests) < 200 else 0):
             params = SamplingParams(temperature=1.0, max_new_tokens=int(rng.integers(1, 21)), seed=len(requests))
-            rid = e.add_request(rng.integers(2, 1000, rng.integers(1, 301)).tolist(), params)
+            length = rng.integers(1, 301)
+            prompt = shared[:length] if rng.random() < 0.5 else rng.integers(2, 1000, length)
+            rid = e.add_request(prompt.tolist(), params)
             requests.append(e._live[rid])
         if requests and rng.random() < 0.1:
             victim = requests[rng.integers(len(requests))]
             if e.abort(victim.id):
                 aborted.add(victim.id)
         e.step()
-    assert e.scheduler.preemptions > 0 and aborted
-    assert used_pages(e.scheduler.blocks) == [0, 0, 0]
+    assert e.scheduler.preemptions > 0 and aborted and e.prefix.stats.hits > 0
+    assert used_pages(e.scheduler.blocks) == [0, 0, 0] and not e.prefix._held
     for r in requests:
         if r.id in aborted:
             assert r.status is Status.ABORTED and r.finish_reason == "abort"
@@ -185,6 +197,101 @@ def test_soak_random_requests_and_aborts(tiny):
             assert r.status is Status.FINISHED and r.finish_reason in ("stop", "length")
             assert len(r.generated) <= r.params.max_new_tokens
             assert r.finish_reason == "stop" or len(r.generated) == r.params.max_new_tokens
+
+
+def test_block_hashes_are_chained():
+    tokens = np.random.default_rng(5).integers(0, 129280, 3 * 256 + 100).tolist()
+    h = block_hashes(tokens)
+    assert len(h) == 3 and len(set(h)) == 3 and all(len(x) == 16 for x in h)
+    block_1 = np.asarray(tokens[256:512], "<i4").tobytes()
+    assert h[1] == hashlib.blake2b(h[0] + block_1, digest_size=16).digest()
+    assert block_hashes(tokens[:3 * 256]) == h and block_hashes(tokens[:3 * 256 - 1]) == h[:2]
+    assert block_hashes(tokens, h[:2]) == h and block_hashes(tokens[:255]) == []
+    changed = list(tokens)
+    changed[256 + 17] += 1
+    h2 = block_hashes(changed)
+    assert h2[0] == h[0] and h2[1] != h[1] and h2[2] != h[2]
+    again = block_hashes(tokens[:256] * 2)
+    assert again[0] == h[0] and again[1] != again[0]       # the same block after another prefix
+
+
+def test_prefix_cache_evicts_least_recently_used_unheld_entries():
+    with pytest.raises(ValueError):
+        PrefixCache(0)
+    c = PrefixCache(3)
+    keys = [bytes([i]) * 16 for i in range(6)]
+    for i in range(3):
+        c.insert(keys[i], i + 1, f"s{i}")
+    assert c.lookup(keys[:1]) == (1, "s0")            # now 0 is the most recently used
+    c.acquire(keys[1])
+    c.insert(keys[3], 4, "s3")
+    assert keys[2] not in c and len(c) == 3           # 2 is the oldest unheld entry
+    assert c.lookup(keys[:4]) == (4, "s3") and c.lookup(keys[:3]) == (2, "s1") and c.lookup(keys[5:]) == (0, None)
+    c.insert(keys[4], 5, "s4")
+    assert keys[0] not in c and keys[1] in c
+    c.acquire(keys[3])
+    c.acquire(keys[4])
+    c.insert(keys[5], 6, "s5")                        # every other entry is held: the new one goes
+    assert keys[5] not in c and len(c) == 3
+    c.release(keys[1])
+    c.insert(keys[5], 6, "s5")
+    assert keys[1] not in c and keys[5] in c
+    assert (c.stats.hits, c.stats.blocks_reused, c.stats.tokens_skipped, c.stats.evictions) == (3, 11, 11 * 256, 4)
+
+
+class Recording:
+    """Wraps the reference model: keeps the logits of every position it computes."""
+
+    def __init__(self, model):
+        self.model, self.rows = model, {}
+
+    def new_state(self):
+        return self.model.new_state()
+
+    def forward(self, state, ids):
+        start = state.pos
+        logits = self.model.forward(state, ids)
+        self.rows.update(enumerate(logits, start))
+        return logits
+
+
+def test_a_prefix_hit_gives_the_logits_of_a_cold_run(tiny):
+    rng = np.random.default_rng(3)
+    base = rng.integers(2, 120000, 700).tolist()
+    one = SamplingParams(temperature=0, max_new_tokens=1)
+    e = Engine(tiny)
+    e.generate([base], one)
+    assert len(e.prefix) == 2 and e.prefix.stats.hits == 0       # the states at 256 and 512
+    e.runner.model = recording = Recording(e.model)
+    for shared in (256, 300, 512, 515, 640):
+        prompt = base[:shared] + [base[shared] + 1] + rng.integers(2, 120000, 8).tolist()
+        recording.rows.clear()
+        e.generate([prompt], one)
+        start = shared // 256 * 256                               # full blocks only
+        assert sorted(recording.rows) == list(range(start, len(prompt)))
+        hit = np.stack([recording.rows[p] for p in range(start, len(prompt))])
+        assert rel_rows(hit, e.model.logits_chunked(prompt)[start:]).max() <= 1e-5
+    assert (e.prefix.stats.hits, e.prefix.stats.blocks_reused, e.prefix.stats.tokens_skipped) == (5, 8, 8 * 256)
+
+
+def test_greedy_generations_are_the_same_with_the_prefix_cache(tiny):
+    rng = np.random.default_rng(4)
+    base = rng.integers(2, 120000, 600).tolist()
+    first = [base[:250], base[:300] + rng.integers(2, 120000, 20).tolist()]
+    then = [base[:520] + [7, 8, 9], base[:256] + [5], base]
+    params = SamplingParams(temperature=0, max_new_tokens=10)
+    runs = []
+    for blocks in (0, 64):
+        e = Engine(tiny, prefix_cache_blocks=blocks)
+        outs = e.generate(first, params)
+        # the decode of the 250-token prompt crossed 256: its state there, generated tokens included, is cached
+        grown = first[0] + outs[0].token_ids + [11, 12]
+        outs += e.generate(then + [grown], params)
+        runs.append([o.token_ids for o in outs])
+        assert used_pages(e.scheduler.blocks) == [0, 0, 0]
+    assert runs[0] == runs[1] and all(len(ids) == 10 for ids in runs[1])
+    # the second batch is admitted in one step, before any of it reaches a new boundary: one block each
+    assert e.prefix.stats.hits == 4 and e.prefix.stats.blocks_reused == 4 and not e.prefix._held
 
 
 def run_cli(*args):
@@ -201,7 +308,10 @@ def test_generate_command(tiny, tmp_path):
     lines = [json.loads(line) for line in res.stdout.splitlines()]
     assert [d["prompt"] for d in lines] == ["Hello there", "Tell me a story"]
     assert all(len(d["token_ids"]) <= 4 and d["finish_reason"] in ("stop", "length") for d in lines)
-    assert "tokens/s" in res.stderr and "time to first token" in res.stderr
+    assert "tokens/s" in res.stderr and "time to first token" in res.stderr and "prefix cache: 0 hits" in res.stderr
+    cold = run_cli(tiny, "--prompts", prompts, "--max-new-tokens", 4, "--temperature", 0, "--json", "--stats",
+                   "--no-prefix-cache")
+    assert cold.returncode == 0 and cold.stdout == res.stdout and "prefix cache" not in cold.stderr
     raw = run_cli(tiny, "--prompts", prompts, "--max-new-tokens", 4, "--raw", "--seed", 1)
     assert raw.returncode == 0 and raw.stdout.startswith("--- 0 (")
     missing = run_cli(tiny, "--prompts", tmp_path / "none.txt")

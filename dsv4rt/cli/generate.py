@@ -34,14 +34,17 @@ def _read_prompts(path: str) -> list[str]:
 @click.option("--stats", is_flag=True, help="print time to first token and throughput on stderr")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", help="auto: cpu until the GPU runner lands")
 @click.option("--numerics", type=click.Choice(["exact", "faithful"]), help="default: faithful for fp8 checkpoints")
-def generate(model, prompts_path, max_new_tokens, temperature, seed, chat, as_json, stats, device, numerics):
+@click.option("--no-prefix-cache", is_flag=True, help="compute every prompt from its first token")
+def generate(model, prompts_path, max_new_tokens, temperature, seed, chat, as_json, stats, device, numerics,
+             no_prefix_cache):
     """Complete every prompt of a file, batched by the serving engine."""
     from ..chat import encode_messages
     from ..engine import Engine
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed).check()
     prompts = _read_prompts(prompts_path)
     texts = [encode_messages([{"role": "user", "content": p}]) for p in prompts] if chat else prompts
-    engine = Engine(model, "cpu" if device == "auto" else device, numerics=numerics)
+    engine = Engine(model, "cpu" if device == "auto" else device, numerics=numerics,
+                    **({"prefix_cache_blocks": 0} if no_prefix_cache else {}))
     start = time.perf_counter()
     outputs = engine.generate(texts, params)
     seconds = time.perf_counter() - start
@@ -58,3 +61,7 @@ def generate(model, prompts_path, max_new_tokens, temperature, seed, chat, as_js
         click.echo(f"requests {len(outputs)}, prompt tokens {sum(len(o.prompt_ids) for o in outputs)}, "
                    f"generated tokens {generated}; time to first token {ttft}; "
                    f"{seconds:.2f} s, {generated / seconds:.1f} tokens/s", err=True)
+        if engine.prefix is not None:
+            p = engine.prefix.stats
+            click.echo(f"prefix cache: {p.hits} hits, {p.blocks_reused} blocks reused, {p.tokens_skipped} tokens skipped",
+                       err=True)

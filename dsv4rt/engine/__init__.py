@@ -1,7 +1,9 @@
 """The serving engine: requests, a continuous-batching scheduler over the paged KV cache, model runners."""
 from .engine import Engine, RequestOutput
+from .prefix import PrefixCache, block_hashes
 from .request import Request, Status
 from .runner import CpuRunner, Runner
 from .scheduler import Scheduler, Step
 
-__all__ = ["CpuRunner", "Engine", "Request", "RequestOutput", "Runner", "Scheduler", "Status", "Step"]
+__all__ = ["CpuRunner", "Engine", "PrefixCache", "Request", "RequestOutput", "Runner", "Scheduler", "Status", "Step",
+           "block_hashes"]

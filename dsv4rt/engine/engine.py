@@ -8,10 +8,11 @@ from typing import Hashable, Iterator, Sequence
 
 from ..chat import EOS, StreamDecoder, load_tokenizer
 from ..kv.blocks import BlockManager
-from ..kv.plan import build_plan
+from ..kv.plan import BLOCK_POSITIONS, build_plan
 from ..kv.slab import DEFAULT_SLAB_BYTES, SlabAllocator
 from ..reference import load_model
 from ..reference.sampling import SamplingParams, sample
+from .prefix import PrefixCache
 from .request import Request
 from .runner import CpuRunner, Runner
 from .scheduler import Scheduler
@@ -29,7 +30,9 @@ class RequestOutput:
 
 class Engine:
     def __init__(self, model_dir, device: str = "cpu", kv_bytes: int = 1 << 30, token_budget: int = 512,
-                 max_running: int = 64, numerics: str | None = None, slab_bytes: int = DEFAULT_SLAB_BYTES):
+                 max_running: int = 64, numerics: str | None = None, slab_bytes: int = DEFAULT_SLAB_BYTES,
+                 prefix_cache_blocks: int = 256):
+        """prefix_cache_blocks: how many block-boundary states the prefix cache keeps; 0 turns it off."""
         if device == "cuda":
             raise ValueError("the GPU model runner is not built yet; use device='cpu'")
         if device != "cpu":
@@ -39,7 +42,8 @@ class Engine:
         # On the CPU the pages hold nothing, but they make admission and preemption real.
         plan = build_plan(self.model.cfg, numerics)
         blocks = BlockManager(plan, SlabAllocator(kv_bytes, plan.class_page_bytes, slab_bytes))
-        self.scheduler = Scheduler(blocks, token_budget, max_running)
+        self.prefix = PrefixCache(prefix_cache_blocks) if prefix_cache_blocks else None
+        self.scheduler = Scheduler(blocks, token_budget, max_running, self.prefix)
         self.runner: Runner = CpuRunner(self.model)
         self._live: dict[Hashable, Request] = {}
         self._ids = itertools.count()
@@ -76,10 +80,16 @@ class Engine:
             if self._live:
                 raise RuntimeError("the scheduler made no progress with requests pending")
             return []
+        for request, _ in step:
+            if request.resume is not None:
+                self.runner.restore(request.id, request.resume)
+                request.resume = None
         logits = self.runner.run(step)
         finished = []
         for request, n in step:
             request.computed += n
+            if self.prefix is not None and request.computed % BLOCK_POSITIONS == 0:
+                self._remember(request)
             if request.remaining:          # a prefill chunk short of the last token: nothing to sample
                 continue
             token = sample(logits[request.id], request.params, request.rng)
@@ -132,6 +142,11 @@ class Engine:
         finally:
             if not request.done:
                 self.abort(request.id)
+
+    def _remember(self, request: Request) -> None:
+        key = request.prefix_hashes(request.computed)[-1]
+        if key not in self.prefix:
+            self.prefix.insert(key, request.computed // BLOCK_POSITIONS, self.runner.snapshot(request.id))
 
     def output(self, request: Request) -> RequestOutput:
         first = None if request.first_token_at is None else request.first_token_at - request.arrived

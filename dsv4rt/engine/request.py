@@ -8,7 +8,9 @@ from typing import Hashable
 
 import numpy as np
 
+from ..kv.plan import BLOCK_POSITIONS
 from ..reference.sampling import SamplingParams
+from .prefix import block_hashes
 
 
 class Status(enum.Enum):
@@ -30,6 +32,9 @@ class Request:
     rng: np.random.Generator = field(init=False)
     arrived: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    prefix_key: bytes | None = None      # the prefix cache entry it resumed from and holds
+    resume: object | None = None         # that entry's snapshot, for the runner to restore before the next step
+    _hashes: list[bytes] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
         # each request owns its stream, so its samples do not depend on what it is batched with
@@ -58,3 +63,9 @@ class Request:
         if stop <= n:
             return self.prompt[start:stop]
         return self.prompt[start:] + self.generated[max(0, start - n):stop - n]
+
+    def prefix_hashes(self, stop: int) -> list[bytes]:
+        """Chained hashes of the full blocks of tokens [0, stop); earlier ones are kept, tokens never change."""
+        if len(self._hashes) < stop // BLOCK_POSITIONS:
+            self._hashes = block_hashes(self.tokens(0, stop), self._hashes)
+        return self._hashes[:stop // BLOCK_POSITIONS]

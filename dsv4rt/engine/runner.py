@@ -1,6 +1,7 @@
 """Model runners: they execute a scheduled step and return each request's next-token logits."""
 from __future__ import annotations
 
+import copy
 from typing import Hashable, Protocol
 
 import numpy as np
@@ -15,6 +16,13 @@ class Runner(Protocol):
 
     def release(self, request_id: Hashable) -> None:
         """Forget a request that finished or was aborted."""
+
+    def snapshot(self, request_id: Hashable) -> object:
+        """What resuming at the request's current position (a block boundary) needs, independent of it.
+        The CPU runner copies the whole state; a GPU runner shares the pages and keeps what they lack."""
+
+    def restore(self, request_id: Hashable, snapshot: object) -> None:
+        """Set the request's state to a snapshot before its next step; the snapshot stays unchanged."""
 
 
 class CpuRunner:
@@ -38,3 +46,10 @@ class CpuRunner:
 
     def release(self, request_id: Hashable) -> None:
         self.states.pop(request_id, None)
+
+    def snapshot(self, request_id: Hashable) -> SequenceState:
+        return copy.deepcopy(self.states[request_id])
+
+    def restore(self, request_id: Hashable, snapshot: SequenceState) -> None:
+        # a copy again: the states grow in place, and several requests may resume from one snapshot
+        self.states[request_id] = copy.deepcopy(snapshot)

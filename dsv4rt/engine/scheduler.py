@@ -12,6 +12,10 @@ tokens, the most recently admitted running request (possibly itself) is preempte
 released, `computed` goes back to 0 and it returns to the front of the waiting queue, to recompute
 prompt + generated tokens later. The oldest request thus always progresses, and since `add`
 rejects requests that would not fit in the empty cache, every request eventually completes.
+
+With a prefix cache, a request is admitted at the longest cached block boundary of its tokens (at least
+one token is left to compute, for its logits), and every chunk ends at the first block boundary it
+reaches: the runner snapshots a request's state at step ends only, and each block should get one.
 """
 from __future__ import annotations
 
@@ -19,16 +23,19 @@ from collections import deque
 from typing import Hashable
 
 from ..kv.blocks import BlockManager
+from ..kv.plan import BLOCK_POSITIONS
+from .prefix import PrefixCache
 from .request import Request, Status
 
 Step = list[tuple[Request, int]]
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, token_budget: int, max_running: int):
+    def __init__(self, blocks: BlockManager, token_budget: int, max_running: int, prefix: PrefixCache | None = None):
         if token_budget < 1 or max_running < 1:
             raise ValueError(f"token_budget ({token_budget}) and max_running ({max_running}) must be >= 1")
         self.blocks, self.token_budget, self.max_running = blocks, token_budget, max_running
+        self.prefix = prefix
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
@@ -52,15 +59,14 @@ class Scheduler:
         for single in (True, False):
             for r in self.running:
                 if budget and (r.remaining == 1) == single:
-                    planned[r.id] = min(r.remaining, budget)
+                    planned[r.id] = self._chunk(r.computed, r.num_tokens, budget)
                     budget -= planned[r.id]
         step = self._claim_running(planned)
         while self.waiting and budget and len(self.running) < self.max_running:
             r = self.waiting[0]
-            n = min(r.remaining, budget)
-            if not self.blocks.can_place(r.id, r.computed + n):
+            n = self._admit(r, budget)
+            if not n:
                 break
-            self.blocks.place(r.id, r.computed + n)
             self.waiting.popleft()
             r.status = Status.RUNNING
             self.running.append(r)
@@ -72,7 +78,7 @@ class Scheduler:
     def finish(self, request: Request, reason: str) -> None:
         """The request is complete: its pages go back at once."""
         self.running.remove(request)
-        self.blocks.release(request.id)
+        self._let_go(request)
         request.status, request.finish_reason = Status.FINISHED, reason
 
     def abort(self, request_id: Hashable) -> Request | None:
@@ -81,8 +87,7 @@ class Scheduler:
             for r in queue:
                 if r.id == request_id:
                     queue.remove(r)
-                    if r.id in self.blocks:
-                        self.blocks.release(r.id)
+                    self._let_go(r)
                     r.status, r.finish_reason = Status.ABORTED, "abort"
                     return r
         return None
@@ -108,7 +113,44 @@ class Scheduler:
 
     def _preempt(self, r: Request) -> None:
         self.running.remove(r)
-        self.blocks.release(r.id)
-        r.computed, r.status = 0, Status.WAITING
+        self._let_go(r)
+        r.computed, r.status, r.resume = 0, Status.WAITING, None
         self.waiting.appendleft(r)
         self.preemptions += 1
+
+    def _chunk(self, computed: int, num_tokens: int, budget: int) -> int:
+        n = min(num_tokens - computed, budget)
+        if self.prefix is not None:
+            n = min(n, BLOCK_POSITIONS - computed % BLOCK_POSITIONS)
+        return n
+
+    def _admit(self, r: Request, budget: int) -> int:
+        """Place the first chunk of a waiting request, after its longest cached prefix; its size, 0 when pages lack."""
+        blocks, snapshot = 0, None
+        if self.prefix is not None:
+            blocks, snapshot = self.prefix.lookup(r.prefix_hashes(r.num_tokens - 1))
+        start = blocks * BLOCK_POSITIONS
+        n = self._chunk(start, r.num_tokens, budget)
+        if blocks:
+            # On the CPU pages are bookkeeping: the request holds its own. Sharing the cached prefix's
+            # pages between requests is the GPU runner's work.
+            if not self.blocks.can_place(r.id, start):
+                return 0
+            self.blocks.place(r.id, start)
+        if not self.blocks.can_place(r.id, start + n):
+            if blocks:
+                self.blocks.release(r.id)
+            return 0
+        self.blocks.place(r.id, start + n)
+        if blocks:
+            r.computed, r.resume, r.prefix_key = start, snapshot, r.prefix_hashes(start)[-1]
+            self.prefix.acquire(r.prefix_key)
+        return n
+
+    def _let_go(self, r: Request) -> None:
+        """Give back the request's pages and its hold on a prefix cache entry."""
+        if r.id in self.blocks:
+            self.blocks.release(r.id)
+        if r.prefix_key is not None:
+            self.prefix.release(r.prefix_key)
+            r.prefix_key = None
