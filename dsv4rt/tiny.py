@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -12,7 +13,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from .config import CSA, HASH_MOE, HCA, MOE, SLIDING, from_dict
-from .loader import expected_shapes
+from .loader import expected_shapes, quant_fp4, quant_fp8, scale_name
 
 _BASE = dict(
     vocab_size=129280, num_key_value_heads=1, rope_theta=10000.0, compress_rope_theta=160000.0,
@@ -45,6 +46,12 @@ PRESETS = {
 }
 
 _FP32 = ("ape", "attn_sink", "gate.bias")  # the rest of the float tensors are bf16, as released
+FORMATS = ("bf16", "official")
+# the released checkpoints' storage (MODEL.md section 10); every other linear weight stays bf16
+_FP8 = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_b|indexer\.wq_b)\.weight$|\.ffn\.shared_experts\.w[123]\.weight$")
+_FP4 = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+QUANTIZATION_CONFIG = dict(activation_scheme="dynamic", fmt="e4m3", quant_method="fp8", scale_fmt="ue8m0",
+                           weight_block_size=[128, 128])
 
 
 def _is_fp32(name: str) -> bool:
@@ -68,27 +75,49 @@ def _random(name: str, shape, rng: np.random.Generator, n_experts: int) -> np.nd
     return x.astype(np.float32 if _is_fp32(name) else ml_dtypes.bfloat16)
 
 
-def make_tiny(out: str | Path, preset: str = "demo", seed: int = 0) -> Path:
+def _official(name: str, x: np.ndarray) -> dict[str, np.ndarray]:
+    """One drawn tensor as released: itself, or its fp8/fp4 encoding with the `.scale` companion."""
+    quant = quant_fp8 if _FP8.search(name) else quant_fp4 if _FP4.search(name) else None
+    if quant is None:
+        return {name: x}
+    q, scale = quant(x.astype(np.float32))
+    return {name: q, scale_name(name): scale}
+
+
+def make_tiny(out: str | Path, preset: str = "demo", seed: int = 0, fmt: str = "bf16",
+              shard_gb: float | None = None) -> Path:
     """Write a preset's random checkpoint, with the V4 tokenizer, into the new folder `out`."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset '{preset}' (choose from {', '.join(PRESETS)})")
-    return write_random_checkpoint(out, PRESETS[preset], seed)
+    return write_random_checkpoint(out, PRESETS[preset], seed, fmt=fmt, shard_gb=shard_gb)
 
 
-def write_random_checkpoint(out: str | Path, raw: dict, seed: int = 0, tokenizer: bool = True) -> Path:
-    """config.json `raw` and random weights in the official names and dtypes, written atomically:
-    a temporary sibling folder renamed at the end."""
+def write_random_checkpoint(out: str | Path, raw: dict, seed: int = 0, tokenizer: bool = True, fmt: str = "bf16",
+                            shard_gb: float | None = None) -> Path:
+    """config.json `raw` and random weights in the official names, written atomically: a temporary sibling
+    folder renamed at the end. fmt 'bf16': bf16/fp32 weights in one file; 'official': quantised and sharded
+    (at most `shard_gb`, default 5 GB, per file) like the released checkpoints, from the same draws."""
     from .chat import tokenizer_json_path
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format '{fmt}' (choose from {', '.join(FORMATS)})")
+    if shard_gb is not None and (fmt != "official" or not shard_gb > 0):
+        raise ValueError("--shard-gb needs --format official and a positive size")
     out = Path(out)
     if out.exists():
         raise ValueError(f"{out} already exists; choose a new folder")
     cfg = from_dict(raw)
     rng = np.random.default_rng(seed)
     tensors = {n: _random(n, s, rng, cfg.n_experts) for n, s in expected_shapes(cfg).items()}
+    if fmt == "official":
+        raw = dict(raw, quantization_config=QUANTIZATION_CONFIG, expert_dtype="fp4")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "np"})
+        if fmt == "official":
+            groups = [_official(n, x) for n, x in tensors.items()]
+            _save_sharded(tmp, groups, int((5 if shard_gb is None else shard_gb) * 1e9))
+        else:
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "np"})
         (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
         if tokenizer:
             shutil.copyfile(tokenizer_json_path(), tmp / "tokenizer.json")
@@ -102,3 +131,25 @@ def write_random_checkpoint(out: str | Path, raw: dict, seed: int = 0, tokenizer
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _save_sharded(folder: Path, groups: list[dict[str, np.ndarray]], shard_bytes: int):
+    """model-0000i-of-0000N.safetensors of at most `shard_bytes` (a larger group alone) and the index;
+    a group (a weight and its scale) never straddles two shards."""
+    shards: list[dict[str, np.ndarray]] = [{}]
+    filled = 0
+    for g in groups:
+        size = sum(x.nbytes for x in g.values())
+        if shards[-1] and filled + size > shard_bytes:
+            shards.append({})
+            filled = 0
+        shards[-1].update(g)
+        filled += size
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, file)
+    total = sum(x.nbytes for shard in shards for x in shard.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

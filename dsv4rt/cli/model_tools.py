@@ -77,7 +77,8 @@ def inspect(model):
         names = sorted(ck.names())
         for n in names:
             click.echo(f"{n:60s} {ck.stored_dtype(n):8s} {list(ck.logical_shape(n))}")
-        counts = {n: int(np.prod(ck.logical_shape(n))) for n in names}
+        # block scales of fp8/fp4 weights are metadata, not parameters
+        counts = {n: int(np.prod(ck.logical_shape(n))) for n in names if not n.endswith(".scale")}
         dtypes = Counter(ck.stored_dtype(n) for n in names)
     total = sum(counts.values())
     experts = sum(c for n, c in counts.items() if ".ffn.experts." in n)
@@ -95,7 +96,10 @@ def inspect(model):
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--preset", default="demo", show_default=True)
 @click.option("--seed", default=0, show_default=True, type=int)
-def make_tiny_cmd(out, preset, seed):
+@click.option("--format", "fmt", type=click.Choice(["bf16", "official"]), default="bf16", show_default=True,
+              help="official: fp8/fp4 weights with block scales, sharded, as released")
+@click.option("--shard-gb", type=float, help="official format: most bytes per shard, in GB  [default: 5]")
+def make_tiny_cmd(out, preset, seed, fmt, shard_gb):
     """Write a random small model (official names and dtypes, the V4 tokenizer)."""
     from ..tiny import make_tiny
-    click.echo(f"wrote {make_tiny(out, preset, seed)}")
+    click.echo(f"wrote {make_tiny(out, preset, seed, fmt, shard_gb)}")
