@@ -5,12 +5,12 @@ Flash's page classes over a region of the given size. Prints a table and writes
 bench/results/allocator.json.
 """
 import argparse
-import json
 import platform
 import random
 import time
 from pathlib import Path
 
+from results import save
 from dsv4rt.config import ModelConfig
 from dsv4rt.kv import BlockManager, SlabAllocator, build_plan
 
@@ -86,9 +86,7 @@ def main():
     result = dict(model="deepseek-v4-flash", numerics=a.numerics, region_bytes=region,
                   size_classes=list(plan.class_page_bytes), machine=platform.processor() or platform.machine(),
                   python=platform.python_version(), ops_per_second={name: round(rate) for name, rate in rows})
-    out = Path(__file__).parent / "results" / "allocator.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    save("allocator", result)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ usage: python bench/cpu_decode.py [--model DIR] [--prompt 512] [--decode 64] [--
 Prints a table and writes bench/results/cpu_decode.json.
 """
 import argparse
-import json
 import platform
 import statistics
 import tempfile
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from results import save
 from dsv4rt.reference import load_model
 from dsv4rt.tiny import make_tiny
 
@@ -48,9 +48,7 @@ def main():
     print(f"{'phase':10s} {'tokens':>7s} {'tok/s (median of ' + str(a.repeats) + ')':>24s}")
     print(f"{'prefill':10s} {a.prompt:7d} {prefill:24.1f}")
     print(f"{'decode':10s} {a.decode:7d} {decode:24.1f}")
-    out = Path(__file__).parent / "results" / "cpu_decode.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    save("cpu_decode", result)
 
 
 if __name__ == "__main__":

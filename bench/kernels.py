@@ -8,13 +8,12 @@ random values tiled from one random block; expert weights a constant (12.9 GB of
 Prints a table and writes bench/results/kernels.json.
 """
 import argparse
-import json
 import statistics
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
+from results import save
 from dsv4rt.cuda import ops
 from dsv4rt.cuda.device import Event, Graph
 from dsv4rt.cuda.driver import check, drv
@@ -215,9 +214,7 @@ def main():
         r["fraction"] = max(r["gbps"] / copy, r["tflops"] / mm)
         print(f"{r['kernel']:34s} {r['batch']:3d} {r['context'] or '':>6} {r['us']:9.1f} {r['gbps']:7.0f} "
               f"{r['tflops']:8.2f} {r['fraction']:10.3f}")
-    out = Path(__file__).parent / "results" / "kernels.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(dict(copy_gbps=copy, bf16_tflops=mm, rows=b.rows), indent=1) + "\n")
+    save("kernels", dict(copy_gbps=copy, bf16_tflops=mm, rows=b.rows), indent=1)
 
 
 if __name__ == "__main__":

@@ -6,14 +6,13 @@ usage: python bench/launch.py [--launches 1000] [--rows 8] [--repeats 30]
 Prints a table and writes bench/results/launch.json.
 """
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import ml_dtypes  # noqa: F401  (registers the bfloat16 dtype name)
 import numpy as np
 
+from results import save
 from dsv4rt.cuda import ops
 from dsv4rt.cuda.device import Event, Graph
 from dsv4rt.cuda.runtime import Runtime
@@ -66,9 +65,7 @@ def main():
     res = dict(launches=a.launches, rows=a.rows, dim=a.dim,
                eager_host_us=round(eager[0] * 1e6, 1), eager_gpu_us=round(eager[1] * 1e6, 1),
                graph_host_us=round(replay[0] * 1e6, 1), graph_gpu_us=round(replay[1] * 1e6, 1))
-    out = Path(__file__).parent / "results" / "launch.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
+    save("launch", res)
 
 
 if __name__ == "__main__":

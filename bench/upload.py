@@ -5,7 +5,6 @@ Without --model, writes a synthetic checkpoint of --gib GiB (bf16 tensors of 64 
 Prints a table and writes bench/results/upload.json.
 """
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -15,6 +14,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
+from results import save
 from dsv4rt.cuda.arena import PinnedBuffer
 from dsv4rt.cuda.device import Event
 from dsv4rt.cuda.runtime import Runtime
@@ -89,9 +89,7 @@ def main():
     print(f"{'upload, first run (disk)':34s} {rates[0]:8.2f}")
     print(f"{'upload, median (page cache)':34s} {statistics.median(rates):8.2f}")
     print(f"{'fraction of peak':34s} {statistics.median(rates) / peak:8.3f}")
-    out = Path(__file__).parent / "results" / "upload.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
+    save("upload", res)
 
 
 if __name__ == "__main__":

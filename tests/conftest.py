@@ -42,3 +42,20 @@ def blas(rt):
     b = Blas(rt.arena)
     yield b
     b.close()
+
+
+@pytest.fixture
+def dev(rt):
+    """Copies host arrays to fresh device buffers, freed after the test."""
+    bufs = []
+
+    def put(host: np.ndarray):
+        host = np.ascontiguousarray(host)
+        buf = rt.arena.alloc(max(host.nbytes, 16))
+        if host.nbytes:
+            buf.copy_from_host(host)
+        bufs.append(buf)
+        return buf
+    yield put
+    for b in bufs:
+        b.free()

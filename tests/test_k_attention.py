@@ -23,23 +23,6 @@ DECODE_LENGTHS = [1, 3, 127, 128, 129, 1000, 4, 2600]
 PADDING_POSITION = 77777  # a padded row's position is garbage
 
 
-@pytest.fixture
-def dev(rt):
-    """Copies host arrays to fresh device buffers, freed after the test."""
-    bufs = []
-
-    def put(host: np.ndarray):
-        host = np.ascontiguousarray(host)
-        buf = rt.arena.alloc(max(host.nbytes, 16))
-        if host.nbytes:
-            buf.copy_from_host(host)
-        bufs.append(buf)
-        return buf
-    yield put
-    for b in bufs:
-        b.free()
-
-
 class PagedHost:
     """Requests' cache entries in pages at random slots of one pool (two slots nobody owns), like dsv4rt.kv
     hands them out. held[r][c]: whether logical page c of request r has a page; -1 in the table if not."""

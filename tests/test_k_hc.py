@@ -17,21 +17,6 @@ SHAPES = [(1, 4, 4096), (7, 4, 4096), (300, 4, 4096), (1, 2, 64), (7, 2, 64), (3
 DTYPES = [np.float32, BF16]
 
 
-@pytest.fixture
-def dev(rt):
-    """Uploads host arrays (or NaN-poisoned buffers) and frees them after the test."""
-    bufs = []
-
-    def upload(host: np.ndarray):
-        b = rt.arena.alloc(max(host.nbytes, 1))
-        b.copy_from_host(host)
-        bufs.append(b)
-        return b
-    yield upload
-    for b in bufs:
-        b.free()
-
-
 def poison(shape, dtype) -> np.ndarray:
     return np.full(shape, np.nan, dtype)
 

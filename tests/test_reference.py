@@ -6,8 +6,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from conftest import REAL_RATIOS, TINY_A, rel_rows
-from dsv4rt.loader import Checkpoint, expected_shapes, quant_fp8, scale_name, to_hf, to_official
-from dsv4rt.reference import Model, Numerics, load_model
+from dsv4rt.loader import Checkpoint, quant_fp8, scale_name, to_hf, to_official
+from dsv4rt.reference import Model, Numerics, checkpoint_weights, load_model
 
 FIXTURES = {"tiny-a": TINY_A, "real-ratios": REAL_RATIOS}
 
@@ -157,4 +157,4 @@ def test_each_faithful_rounding_matters_and_all_off_equals_exact(tmp_path):
 
 def _weights_of(path):
     with Checkpoint.open(path) as ck:
-        return {n: np.array(ck.raw(n) if n.endswith("tid2eid") else ck.float32(n)) for n in expected_shapes(ck.config)}
+        return checkpoint_weights(ck)

@@ -177,9 +177,9 @@ class GpuModel:
         return self.ws.buffer.copy_to_host(out, offset=self.ws[name] - self.ws.buffer.ptr)
 
     def _fill_tables(self):
+        shift, mask = self.allocator.page_shift, (1 << self.allocator.page_shift) - 1
         for (kind, layer), (at, cols, k) in self.slots.items():
             ids = self.blocks.table(0, kind, layer)[:cols]
-            shift, mask = self.allocator.page_shift, (1 << self.allocator.page_shift) - 1
             off = (ids >> shift).astype(np.int64) * self.allocator.slab_bytes + \
                 (ids & mask).astype(np.int64) * self.allocator.page_bytes[k.size_class]
             self.host_tables[at:at + cols] = -1
