@@ -35,7 +35,7 @@ class Indexer:
             q = self.round_q(q)
         d = q.shape[-1]
         w = (x @ self.weights_proj.T) * np.float32(d ** -0.5 * n_heads ** -0.5)
-        score = np.einsum("th,thn->tn", w, np.maximum(np.einsum("thd,nd->thn", q, keys), 0))
+        score = np.einsum("th,thn->tn", w, np.maximum(q @ keys.T, 0))
         visible = np.arange(len(keys))[None, :] < ((pos + 1) // ratio)[:, None]
         score = np.where(visible, score, -np.inf)
         k = min(self.topk, len(keys))
@@ -106,14 +106,14 @@ class Attention:
 
         o = self.rope(out, pos, inverse=True).reshape(T, self.n_groups, -1)
         wo_a = self.wo_a.reshape(self.n_groups, -1, o.shape[-1])
-        t = np.einsum("tgi,goi->tgo", o, wo_a).reshape(T, -1)
+        t = np.matmul(o.transpose(1, 0, 2), wo_a.transpose(0, 2, 1)).transpose(1, 0, 2).reshape(T, -1)
         return self.wo_b(t)
 
     def _attend(self, q: np.ndarray, keys: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """One softmax over the masked keys plus the per-head sink; K = V."""
-        s = np.einsum("thd,kd->thk", q, keys) * np.float32(q.shape[-1] ** -0.5)
+        s = (q @ keys.T) * np.float32(q.shape[-1] ** -0.5)
         s = np.where(mask[:, None, :], s, -np.inf)
         m = np.maximum(s.max(axis=-1), self.sink[None, :])
         p = np.exp(s - m[..., None])
         denom = p.sum(axis=-1) + np.exp(self.sink[None, :] - m)
-        return np.einsum("thk,kd->thd", p, keys) / denom[..., None]
+        return (p @ keys) / denom[..., None]

@@ -123,7 +123,7 @@ class Model:
 
     def forward(self, st: SequenceState, ids, streams: list | None = None) -> np.ndarray:
         """Logits [T, vocab] of the chunk `ids`, continuing `st` (which advances by T).
-        `streams`, when given, receives the residual streams entering each layer."""
+        `streams`, when given, receives the residual streams entering each layer, then the last layer's output."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if len(ids) == 0:
             return np.zeros((0, self.cfg.vocab_size), np.float32)
@@ -134,6 +134,8 @@ class Model:
             if streams is not None:
                 streams.append(X)
             X = self.layer(i, X, st, ids)
+        if streams is not None:
+            streams.append(X)
         st.pos += len(ids)
         return self.final_hidden(X) @ self.head.T
 
