@@ -135,8 +135,12 @@ def test_stream_matches_generate_and_abort_frees_pages(tiny):
 
 
 def test_engine_errors(tiny):
-    with pytest.raises(ValueError, match="GPU model runner is not built yet"):
-        Engine(tiny, device="cuda")
+    from dsv4rt.cuda.driver import gpu_visible
+    if not gpu_visible():
+        with pytest.raises(ValueError, match="no NVIDIA GPU is visible"):
+            Engine(tiny, device="cuda")
+    with pytest.raises(ValueError, match="device must be"):
+        Engine(tiny, device="tpu")
     e = Engine(tiny, kv_bytes=6 * SLAB, slab_bytes=SLAB)
     with pytest.raises(ValueError, match="empty"):
         e.add_request("")
@@ -146,7 +150,7 @@ def test_engine_errors(tiny):
 
 
 class RandomRunner:
-    """Stands in for the model: random logits over a few token ids (EOS among them), and checks
+    """Stands in for the model: random tokens among a few ids (EOS among them), and checks
     that every step continues each request where its previous one stopped."""
 
     def __init__(self, scheduler: Scheduler, seed: int):
@@ -158,7 +162,7 @@ class RandomRunner:
             assert self.fed.get(r.id, 0) == r.computed or r.computed == 0
             assert (r.computed + n) % 256 == 0 or (r.computed + n) // 256 == r.computed // 256   # one block at most
             self.fed[r.id] = r.computed + n
-        return {r.id: self.rng.standard_normal(16) for r, _ in step}
+        return {r.id: int(self.rng.integers(0, 16)) for r, n in step if r.computed + n == r.num_tokens}
 
     def release(self, request_id):
         self.fed.pop(request_id, None)
@@ -168,6 +172,9 @@ class RandomRunner:
 
     def restore(self, request_id, snapshot):
         self.fed[request_id] = snapshot
+
+    def discard(self, snapshot):
+        pass
 
 
 def test_soak_random_requests_and_aborts(tiny):

@@ -11,7 +11,7 @@ from ..kv.blocks import BlockManager
 from ..kv.plan import BLOCK_POSITIONS, build_plan
 from ..kv.slab import DEFAULT_SLAB_BYTES, SlabAllocator
 from ..reference import load_model
-from ..reference.sampling import SamplingParams, sample
+from ..reference.sampling import SamplingParams
 from .prefix import PrefixCache
 from .request import Request
 from .runner import CpuRunner, Runner
@@ -31,20 +31,36 @@ class RequestOutput:
 class Engine:
     def __init__(self, model_dir, device: str = "cpu", kv_bytes: int = 1 << 30, token_budget: int = 512,
                  max_running: int = 64, numerics: str | None = None, slab_bytes: int = DEFAULT_SLAB_BYTES,
-                 prefix_cache_blocks: int = 256):
-        """prefix_cache_blocks: how many block-boundary states the prefix cache keeps; 0 turns it off."""
-        if device == "cuda":
-            raise ValueError("the GPU model runner is not built yet; use device='cpu'")
-        if device != "cpu":
+                 prefix_cache_blocks: int = 256, *, dtype: str = "bf16", max_len: int = 65536,
+                 graphs: bool = True, runtime=None, prefix_cache_bytes: int = 1 << 30):
+        """device "cuda": the GPU runner, `dtype` bf16 (or float32, to check it against the reference),
+        requests up to max_len positions, decode CUDA graphs unless graphs=False. prefix_cache_blocks (cpu)
+        or prefix_cache_bytes (cuda) bound the prefix cache; 0 turns it off."""
+        if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got '{device}'")
-        self.model = load_model(model_dir, numerics)
         self.tokenizer = load_tokenizer(model_dir)
-        # On the CPU the pages hold nothing, but they make admission and preemption real.
-        plan = build_plan(self.model.cfg, numerics)
-        blocks = BlockManager(plan, SlabAllocator(kv_bytes, plan.class_page_bytes, slab_bytes))
-        self.prefix = PrefixCache(prefix_cache_blocks) if prefix_cache_blocks else None
-        self.scheduler = Scheduler(blocks, token_budget, max_running, self.prefix)
-        self.runner: Runner = CpuRunner(self.model)
+        self.max_len = max_len
+        chunk = token_budget
+        if device == "cuda":
+            from ..cuda.driver import gpu_visible
+            if not gpu_visible():
+                raise ValueError("device 'cuda' was asked for, but no NVIDIA GPU is visible")
+            from .gpu_runner import GpuRunner
+            self.runner = GpuRunner.build(model_dir, dtype, kv_bytes, max_running, token_budget, max_len, graphs,
+                                          runtime, numerics)
+            self.cfg, blocks = self.runner.model.cfg, self.runner.model.blocks
+            chunk = self.runner.model.max_chunk
+            capacity, size = prefix_cache_bytes, lambda snapshot: snapshot.nbytes
+        else:
+            self.model = load_model(model_dir, numerics)
+            self.cfg = self.model.cfg
+            # On the CPU the pages hold nothing, but they make admission and preemption real.
+            plan = build_plan(self.cfg, numerics)
+            blocks = BlockManager(plan, SlabAllocator(kv_bytes, plan.class_page_bytes, slab_bytes))
+            self.runner = CpuRunner(self.model)
+            capacity, size = prefix_cache_blocks, lambda snapshot: 1
+        self.prefix = PrefixCache(capacity, size, self.runner.discard) if capacity else None
+        self.scheduler = Scheduler(blocks, token_budget, max_running, self.prefix, max_chunk=chunk)
         self._live: dict[Hashable, Request] = {}
         self._ids = itertools.count()
 
@@ -54,9 +70,12 @@ class Engine:
             [int(t) for t in prompt]
         if not ids:
             raise ValueError("the prompt is empty")
-        vocab = self.model.cfg.vocab_size
+        vocab = self.cfg.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if len(ids) + params.max_new_tokens > self.max_len:
+            raise ValueError(f"{len(ids)} prompt + {params.max_new_tokens} new tokens exceed the engine's "
+                             f"max_len {self.max_len}")
         request = Request(next(self._ids), ids, params)
         self.scheduler.add(request)
         self._live[request.id] = request
@@ -84,7 +103,7 @@ class Engine:
             if request.resume is not None:
                 self.runner.restore(request.id, request.resume)
                 request.resume = None
-        logits = self.runner.run(step)
+        tokens = self.runner.run(step)
         finished = []
         for request, n in step:
             request.computed += n
@@ -92,7 +111,7 @@ class Engine:
                 self._remember(request)
             if request.remaining:          # a prefill chunk short of the last token: nothing to sample
                 continue
-            token = sample(logits[request.id], request.params, request.rng)
+            token = tokens[request.id]
             if request.first_token_at is None:
                 request.first_token_at = time.perf_counter()
             if token != EOS:
@@ -146,7 +165,9 @@ class Engine:
     def _remember(self, request: Request) -> None:
         key = request.prefix_hashes(request.computed)[-1]
         if key not in self.prefix:
-            self.prefix.insert(key, request.computed // BLOCK_POSITIONS, self.runner.snapshot(request.id))
+            snapshot = self.runner.snapshot(request.id)
+            if snapshot is not None:
+                self.prefix.insert(key, request.computed // BLOCK_POSITIONS, snapshot)
 
     def output(self, request: Request) -> RequestOutput:
         first = None if request.first_token_at is None else request.first_token_at - request.arrived

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -42,14 +42,17 @@ class _Entry:
 
 
 class PrefixCache:
-    """At most `capacity_blocks` entries. Entries that requests hold (acquire) are never evicted; the
-    others leave least recently used first. Unheld entries live in their own ordered dict, so eviction
-    is O(1) and needs no search past held ones."""
+    """Entries whose sizes (`size(snapshot)`: 1 each by default, bytes on the GPU) sum to at most
+    `capacity`. Entries that requests hold (acquire) are never evicted; the others leave least recently
+    used first, handed to `on_evict`. Unheld entries live in their own ordered dict, so eviction is O(1)
+    and needs no search past held ones."""
 
-    def __init__(self, capacity_blocks: int):
-        if capacity_blocks < 1:
-            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
-        self.capacity = capacity_blocks
+    def __init__(self, capacity: int, size: Callable[[object], int] = lambda snapshot: 1,
+                 on_evict: Callable[[object], None] = lambda snapshot: None):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity, self.size, self.on_evict = capacity, size, on_evict
+        self.used = 0
         self._free: OrderedDict[bytes, _Entry] = OrderedDict()    # unheld, least recently used first
         self._held: dict[bytes, _Entry] = {}
         self.stats = PrefixStats()
@@ -72,6 +75,7 @@ class PrefixCache:
         """Remember the snapshot at block boundary `blocks` under its chain hash (kept if already there)."""
         if self._touch(key) is None:
             self._free[key] = _Entry(blocks, snapshot)
+            self.used += self.size(snapshot)
             self._evict()
 
     def acquire(self, key: bytes) -> None:
@@ -97,6 +101,8 @@ class PrefixCache:
         return self._held.get(key)
 
     def _evict(self) -> None:
-        while len(self) > self.capacity and self._free:
-            self._free.popitem(last=False)
+        while self.used > self.capacity and self._free:
+            _, entry = self._free.popitem(last=False)
+            self.used -= self.size(entry.snapshot)
+            self.on_evict(entry.snapshot)
             self.stats.evictions += 1

@@ -30,6 +30,7 @@ class Request:
     finish_reason: str | None = None     # "stop" (EOS), "length" (max_new_tokens) or "abort"
     computed: int = 0                    # tokens (prompt + generated) the model has consumed
     rng: np.random.Generator = field(init=False)
+    sample_seed: int = field(init=False)
     arrived: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     prefix_key: bytes | None = None      # the prefix cache entry it resumed from and holds
@@ -39,6 +40,9 @@ class Request:
     def __post_init__(self):
         # each request owns its stream, so its samples do not depend on what it is batched with
         self.rng = np.random.default_rng(self.params.seed)
+        # the GPU sampler's stream is keyed by (sample_seed, tokens generated so far)
+        self.sample_seed = self.params.seed if self.params.seed is not None else \
+            int(np.random.SeedSequence().entropy % (1 << 63))
 
     @property
     def num_tokens(self) -> int:

@@ -7,22 +7,28 @@ from typing import Hashable, Protocol
 import numpy as np
 
 from ..reference import Model, SequenceState
+from ..reference.sampling import sample
 from .scheduler import Step
 
 
 class Runner(Protocol):
-    def run(self, step: Step) -> dict[Hashable, np.ndarray]:
-        """Feed each request's tokens [computed, computed + n); the logits [vocab] of its last one."""
+    def run(self, step: Step) -> dict[Hashable, int]:
+        """Feed each request's tokens [computed, computed + n); the next token of each request whose
+        step reaches its last token, sampled with its settings."""
 
     def release(self, request_id: Hashable) -> None:
         """Forget a request that finished or was aborted."""
 
-    def snapshot(self, request_id: Hashable) -> object:
-        """What resuming at the request's current position (a block boundary) needs, independent of it.
-        The CPU runner copies the whole state; a GPU runner shares the pages and keeps what they lack."""
+    def snapshot(self, request_id: Hashable) -> object | None:
+        """What resuming at the request's current position (a block boundary) needs, independent of it,
+        or None when there is no room to keep it. The CPU runner copies the whole state, the GPU runner
+        the pages the request holds."""
 
     def restore(self, request_id: Hashable, snapshot: object) -> None:
         """Set the request's state to a snapshot before its next step; the snapshot stays unchanged."""
+
+    def discard(self, snapshot: object) -> None:
+        """The prefix cache dropped this snapshot."""
 
 
 class CpuRunner:
@@ -32,7 +38,7 @@ class CpuRunner:
         self.model = model
         self.states: dict[Hashable, SequenceState] = {}
 
-    def run(self, step: Step) -> dict[Hashable, np.ndarray]:
+    def run(self, step: Step) -> dict[Hashable, int]:
         out = {}
         for request, n in step:
             if request.computed == 0:      # new, or preempted: recompute from the first token
@@ -41,7 +47,9 @@ class CpuRunner:
             if state.pos != request.computed:
                 raise RuntimeError(f"request {request.id!r}: state at {state.pos}, scheduled from {request.computed}")
             ids = request.tokens(request.computed, request.computed + n)
-            out[request.id] = self.model.forward(state, np.array(ids, np.int64))[-1]
+            logits = self.model.forward(state, np.array(ids, np.int64))[-1]
+            if request.computed + n == request.num_tokens:
+                out[request.id] = sample(logits, request.params, request.rng)
         return out
 
     def release(self, request_id: Hashable) -> None:
@@ -53,3 +61,6 @@ class CpuRunner:
     def restore(self, request_id: Hashable, snapshot: SequenceState) -> None:
         # a copy again: the states grow in place, and several requests may resume from one snapshot
         self.states[request_id] = copy.deepcopy(snapshot)
+
+    def discard(self, snapshot: SequenceState) -> None:
+        pass

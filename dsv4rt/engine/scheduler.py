@@ -31,11 +31,14 @@ Step = list[tuple[Request, int]]
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, token_budget: int, max_running: int, prefix: PrefixCache | None = None):
+    def __init__(self, blocks: BlockManager, token_budget: int, max_running: int, prefix: PrefixCache | None = None,
+                 max_chunk: int | None = None):
+        """max_chunk: most tokens of one request in a step (the GPU forward's window − 1)."""
         if token_budget < 1 or max_running < 1:
             raise ValueError(f"token_budget ({token_budget}) and max_running ({max_running}) must be >= 1")
         self.blocks, self.token_budget, self.max_running = blocks, token_budget, max_running
         self.prefix = prefix
+        self.max_chunk = max_chunk or token_budget
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
@@ -44,7 +47,7 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def add(self, request: Request) -> None:
-        if not self.blocks.fits_ever(request.max_len, self.token_budget):
+        if not self.blocks.fits_ever(request.max_len, min(self.token_budget, self.max_chunk)):
             raise ValueError(
                 f"request {request.id!r} can never fit: {len(request.prompt)} prompt + {request.params.max_new_tokens} "
                 f"new tokens need more than the whole KV cache ({self.blocks.allocator.total_bytes} B); "
@@ -119,7 +122,7 @@ class Scheduler:
         self.preemptions += 1
 
     def _chunk(self, computed: int, num_tokens: int, budget: int) -> int:
-        n = min(num_tokens - computed, budget)
+        n = min(num_tokens - computed, budget, self.max_chunk)
         if self.prefix is not None:
             n = min(n, BLOCK_POSITIONS - computed % BLOCK_POSITIONS)
         return n

@@ -46,10 +46,10 @@ class _Pages:
 
 
 class _Request:
-    __slots__ = ("length", "kinds")
+    __slots__ = ("length", "kinds", "version")
 
     def __init__(self, plan: KVPlan):
-        self.length = 0
+        self.length, self.version = 0, -1
         self.kinds = [_Pages(len(k.layers)) for k in plan.kinds]
 
 
@@ -61,12 +61,18 @@ class BlockManager:
         self._kind_index = {k.name: i for i, k in enumerate(plan.kinds)}
         self._rows = [{layer: row for row, layer in enumerate(k.layers)} for k in plan.kinds]
         self._requests: dict[Hashable, _Request] = {}
+        self._changes = 0
 
     def __contains__(self, request: Hashable) -> bool:
         return request in self._requests
 
     def length(self, request: Hashable) -> int:
         return self._requests[request].length
+
+    def version(self, request: Hashable) -> int:
+        """Changes whenever the request's pages do; unique over all requests, so device copies of
+        its tables can be kept until it moves."""
+        return self._requests[request].version
 
     def fits_ever(self, total_len: int, chunk: int) -> bool:
         """Whether a request of total_len positions, stepped `chunk` at a time, fits in the empty region."""
@@ -89,9 +95,14 @@ class BlockManager:
             if need != pages.held:
                 for start, stop in _minus(pages.held, need):
                     self._give_back(pages, start, stop)
+        changed = False
         for i, (pages, need) in enumerate(zip(req.kinds, needs)):
             if need != pages.held:
                 self._take(i, pages, need)
+                changed = True
+        if changed or req.version < 0:
+            self._changes += 1
+            req.version = self._changes
         req.length = new_len
         self._requests[request] = req
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 
+import numpy as np
+
 DEFAULT_SLAB_BYTES = 2 << 20   # the GPU's large-page size: holds >= 32 of the largest page (64 KiB)
 ALIGN = 16
 
@@ -142,6 +144,12 @@ class SlabAllocator:
         if cls < 0 or index >= self.pages_per_slab[cls] or not self._live[s][index]:
             raise ValueError(f"page {page} is not allocated")
         return s * self.slab_bytes + index * self.page_bytes[cls]
+
+    def offsets(self, pages: np.ndarray, cls: int) -> np.ndarray:
+        """Byte offsets (int64) of an array of pages of one class, unchecked; −1 entries stay −1."""
+        pages = np.asarray(pages, np.int64)
+        off = (pages >> self.page_shift) * self.slab_bytes + (pages & self._mask) * self.page_bytes[cls]
+        return np.where(pages >= 0, off, -1)
 
     def class_of(self, page: int) -> int:
         return self._class[page >> self.page_shift]

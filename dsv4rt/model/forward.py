@@ -4,6 +4,8 @@ Every kernel is a template over the storage type, so `GpuModel(dir, np.float32)`
 as the bf16 build and is checked tightly against the numpy reference."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import ml_dtypes
 import numpy as np
 
@@ -16,7 +18,10 @@ from ..loader import Checkpoint
 from . import attention as attn_k
 from . import compress as comp_k
 from . import hc as hc_k
+from . import sample as sample_k
+from .inputs import StepInputs
 from .paged import PagedCache
+from .tables import PageTables
 from .gemm import Blas, grouped_linear, linear
 from .moe import ExpertWeights, MoE, MoeDims, pointer_table, workspace_bytes
 from .weights import load_weights
@@ -39,52 +44,47 @@ class Workspace:
         return self.ptr[name]
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One request's tokens in a step: `ids` at positions [start, start + len(ids)) of request slot `slot`."""
+    slot: int
+    ids: np.ndarray
+    start: int
+
+
 class GpuModel:
+    """The forward for up to `max_batch` requests at once (one request slot each), at most `step_rows`
+    tokens per step and `max_len` positions per request. A request's own tokens in one step must
+    number at most `max_chunk` (window − 1): the attention kernel reads a step's keys from the window
+    cache, whose pages the block manager holds only for what a step reads or leaves to the next."""
+
     def __init__(self, model_dir, dtype=ml_dtypes.bfloat16, *, runtime: Runtime | None = None,
-                 max_len: int = 4096, kv_bytes: int = 256 << 20):
+                 max_len: int = 4096, kv_bytes: int = 256 << 20, max_batch: int = 1, step_rows: int | None = None):
         self.dtype = np.dtype(dtype)
         self.rt = rt = runtime or Runtime(arena_bytes=None)
         with Checkpoint.open(model_dir) as ck:
             ck.validate()
             self.cfg = cfg = ck.config
             self.w = load_weights(ck, self.dtype, rt.arena, rt.stream).arrays
-        self.max_len = max_len
-        # The attention kernel reads a step's keys from the window cache, and the block manager holds
-        # window pages only for the positions the next step reads: steps of at most window-1 tokens
-        # keep every key a step needs in the cache. Reading the step's own keys from its workspace
-        # lifts this (the serving engine's prefill throughput needs it).
-        self.rows = max(1, cfg.window - 1)
+        self.max_len, self.max_batch = max_len, max_batch
+        self.max_chunk = max(1, cfg.window - 1)
+        self.rows = step_rows or self.max_chunk
         self.plan = build_plan(cfg, "exact", element_bytes=self.dtype.itemsize)
         self.kv = rt.arena.alloc(kv_bytes, "KV cache")
         self.allocator = SlabAllocator(kv_bytes, self.plan.class_page_bytes)
         self.blocks = BlockManager(self.plan, self.allocator)
+        self.tables = PageTables(rt.arena, self.plan, self.allocator, max_len, max_batch)
         self.blas, self.side_blas = Blas(rt.arena), Blas(rt.arena)
         self.side = Stream()
         self.fork, self.join = Event(timing=False), Event(timing=False)
-        self._tables()
         self._rope_tables()
         self._experts()
         self._workspace()
         self.length = 0
 
     # --- one-time setup -------------------------------------------------------------------------
-    def _tables(self):
-        """One fixed slot of int64 page offsets per (kind, layer), refilled before each step."""
-        self.slots, at = {}, 0
-        for k in self.plan.kinds:
-            cols = -(-self.max_len // k.positions_per_page) + 1
-            for layer in k.layers:
-                self.slots[k.name, layer] = (at, cols, k)
-                at += cols
-        self.host_tables = np.full(at, -1, np.int64)
-        self.tables = self.rt.arena.alloc(self.host_tables.nbytes, "page tables")
-        self.zero = self.rt.arena.alloc(4, "page_start")
-        self.zero.copy_from_host(np.zeros(1, np.int32))
-
     def cache(self, kind: str, layer: int) -> PagedCache:
-        at, _, k = self.slots[kind, layer]
-        per_page = k.positions_per_page if k.sliding else k.page_bytes // k.entry_bytes
-        return PagedCache(self.kv.ptr, self.tables.ptr + 8 * at, self.zero.ptr, per_page, k.entry_bytes)
+        return self.tables.cache(self.kv.ptr, kind, layer)
 
     def _rope_tables(self):
         self.inv_freq = []
@@ -107,42 +107,40 @@ class GpuModel:
         hd, D = c.head_dim, c.hidden_size
         n_max = self.max_len // c.csa_ratio + 1
         self.moe_dims = MoeDims(T, D, c.moe_inter, c.n_experts, c.n_active, c.moe_inter if c.n_shared else 0)
+        self.inputs = StepInputs(T)
         self.ws = Workspace(self.rt.arena, dict(
-            ids=4 * T, pos=4 * T, req=4 * T, X=T * c.hc_mult * D * s, u=T * D * s, xn=T * D * s,
+            inputs=self.inputs.nbytes, X=T * c.hc_mult * D * s, u=T * D * s, xn=T * D * s,
             post=T * c.hc_mult * 4, comb=T * c.hc_mult ** 2 * 4, qa=T * c.q_lora_rank * s, qr=T * c.q_lora_rank * s,
             q=T * c.num_heads * hd * s, kv=T * hd * s, a=T * 2 * hd * 4, z=T * 2 * hd * 4,
             ia=T * 2 * c.index_head_dim * 4, iz=T * 2 * c.index_head_dim * 4,
             iq=T * c.index_n_heads * c.index_head_dim * s, iw=T * c.index_n_heads * 4, scores=T * n_max * 4,
             selected=T * c.index_topk * 4, o=T * c.num_heads * hd * s, t=T * c.o_groups * c.o_lora_rank * s,
             f=T * D * s, y=T * D * s, logits=T * c.vocab_size * 4, moe=workspace_bytes(self.moe_dims, self.dtype)))
+        self.ws.ptr.update(self.inputs.pointers(self.ws["inputs"]))
         self.n_max = n_max
 
-    # --- the forward ----------------------------------------------------------------------------
+    # --- one request (tests, `dsv4rt logits`) ---------------------------------------------------
     def forward(self, ids) -> np.ndarray:
-        """Logits [T, vocab] (float32) of the next tokens `ids`, continuing this request's state."""
+        """Logits [T, vocab] (float32) of the next tokens `ids` of the request in slot 0."""
         ids = np.asarray(ids, np.int64).reshape(-1)
         if len(ids) and (ids.min() < 0 or ids.max() >= self.cfg.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
         if self.length + len(ids) > self.max_len:
             raise ValueError(f"{self.length + len(ids)} positions exceed this model's max_len {self.max_len}")
-        out = [self._step(ids[a:a + self.rows]) for a in range(0, len(ids), self.rows)]
+        out = []
+        for a in range(0, len(ids), self.max_chunk):
+            chunk = ids[a:a + self.max_chunk]
+            self.blocks.place(0, self.length + len(chunk))
+            self.tables.refresh(0, self.blocks, 0, self.rt.stream)
+            out.append(self.run([Entry(0, chunk, self.length)], every_row=True))
+            self.length += len(chunk)
         return np.concatenate(out) if out else np.zeros((0, self.cfg.vocab_size), np.float32)
 
     def reset(self):
         if self.length:
             self.blocks.release(0)
+            self.tables.forget(0)
         self.length = 0
-
-    def _step(self, ids: np.ndarray) -> np.ndarray:
-        T, c, ws, st = len(ids), self.cfg, self.ws, self.rt.stream
-        self._begin(ids)
-        hc_k.embed(self.rt.device, self.dtype, ws["X"], ws["ids"], self.w["embed.weight"].ptr, T, c.vocab_size,
-                   c.hc_mult, c.hidden_size)(st)
-        for i in range(c.num_layers):
-            self.layer(i, T)
-        self.head(T)
-        self.length += T
-        return self._read("logits", (T, c.vocab_size), F32)
 
     def layer_alone(self, i: int, ids, streams: np.ndarray) -> np.ndarray:
         """Block i fed the given input streams [T, hc, D] (teacher forcing), from an empty cache and in
@@ -150,41 +148,59 @@ class GpuModel:
         self.reset()
         ids = np.asarray(ids, np.int64).reshape(-1)
         out = []
-        for a in range(0, len(ids), self.rows):
-            chunk = ids[a:a + self.rows]
-            self._begin(chunk)
+        for a in range(0, len(ids), self.max_chunk):
+            chunk = ids[a:a + self.max_chunk]
+            self.blocks.place(0, self.length + len(chunk))
+            self.tables.refresh(0, self.blocks, 0, self.rt.stream)
+            self.upload([Entry(0, chunk, self.length)])
             x = np.ascontiguousarray(streams[a:a + len(chunk)]).astype(self.dtype)
             self.ws.buffer.copy_from_host(x, self.rt.stream, offset=self.ws["X"] - self.ws.buffer.ptr)
             self.layer(i, len(chunk))
             self.length += len(chunk)
-            out.append(self._read("X", x.shape, self.dtype).astype(np.float32))
+            out.append(self.read("X", x.shape, self.dtype).astype(np.float32))
         self.reset()
         return np.concatenate(out)
 
-    def _begin(self, ids: np.ndarray):
-        """Hold the step's pages, refill the page tables, upload ids and positions."""
-        T = len(ids)
-        self.blocks.place(0, self.length + T)
-        self._fill_tables()
-        host = np.concatenate([ids.astype(np.int32), np.arange(self.length, self.length + T, dtype=np.int32),
-                               np.zeros(T, np.int32)])
-        for name, part in zip(("ids", "pos", "req"), np.split(host, 3)):
-            self.ws.buffer.copy_from_host(part, self.rt.stream, offset=self.ws[name] - self.ws.buffer.ptr)
+    # --- a batched step -------------------------------------------------------------------------
+    def run(self, entries: list[Entry], *, every_row: bool = False, sampling=None, pad_to: int = 0):
+        """One step over the entries' tokens (their pages placed and tables refreshed by the caller).
+        Returns the float32 logits of every row (every_row) or of each entry's last token; with
+        `sampling` (SamplingArrays), the sampled token of each entry's last row instead. `pad_to` adds
+        padding rows (req −1) so that a step has the shape of a captured decode graph."""
+        T = self.upload(entries, pad_to, every_row, sampling)
+        self.launch(T, self.inputs.n_out, sampling is not None)
+        return self.outputs(len(entries), every_row, sampling is not None)
 
-    def _read(self, name: str, shape, dtype) -> np.ndarray:
+    def outputs(self, n: int, every_row: bool = False, sampled: bool = False) -> np.ndarray:
+        """After a step: the tokens of the first n output rows, or the logits of those (or of every) row."""
+        if sampled:
+            return self.read("tokens", (n,), np.int32)
+        rows = self.inputs.n_out if every_row else n
+        return self.read("logits", (rows, self.cfg.vocab_size), F32)
+
+    def upload(self, entries: list[Entry], pad_to: int = 0, every_row: bool = True, sampling=None) -> int:
+        T = self.inputs.fill(entries, pad_to, every_row, sampling)
+        if T > self.rows:
+            raise ValueError(f"a step of {T} tokens exceeds the workspace's {self.rows} rows")
+        self.ws.buffer.copy_from_host(self.inputs.host, self.rt.stream, offset=self.ws["inputs"] - self.ws.buffer.ptr)
+        return T
+
+    def launch(self, T: int, n_out: int, sample: bool):
+        """The whole step's launches for T rows, the head on n_out gathered rows; no host synchronisation."""
+        c, ws, st = self.cfg, self.ws, self.rt.stream
+        hc_k.embed(self.rt.device, self.dtype, ws["X"], ws["ids"], self.w["embed.weight"].ptr, T, c.vocab_size,
+                   c.hc_mult, c.hidden_size)(st)
+        for i in range(c.num_layers):
+            self.layer(i, T)
+        self.head(T, n_out)
+        if sample:
+            sample_k.sample(self.rt.device, ws["tokens"], ws["logits"], n_out, c.vocab_size, ws["temperature"],
+                            ws["top_k"], ws["top_p"], ws["seed"], ws["step"])(st)
+
+    def read(self, name: str, shape, dtype) -> np.ndarray:
         out = np.empty(shape, dtype)
         self.rt.stream.synchronize()
         return self.ws.buffer.copy_to_host(out, offset=self.ws[name] - self.ws.buffer.ptr)
-
-    def _fill_tables(self):
-        shift, mask = self.allocator.page_shift, (1 << self.allocator.page_shift) - 1
-        for (kind, layer), (at, cols, k) in self.slots.items():
-            ids = self.blocks.table(0, kind, layer)[:cols]
-            off = (ids >> shift).astype(np.int64) * self.allocator.slab_bytes + \
-                (ids & mask).astype(np.int64) * self.allocator.page_bytes[k.size_class]
-            self.host_tables[at:at + cols] = -1
-            self.host_tables[at:at + len(ids)] = np.where(ids >= 0, off, -1)
-        self.tables.copy_from_host(self.host_tables, self.rt.stream)
 
     def layer(self, i: int, T: int):
         """Block i on the streams in ws["X"] (in place)."""
@@ -270,10 +286,12 @@ class GpuModel:
         hc_k.post(self.rt.device, self.dtype, ws["X"], ws["X"], ws["f"], ws["post"], ws["comb"], T, c.hc_mult,
                   c.hidden_size)(self.rt.stream)
 
-    def head(self, T: int):
+    def head(self, T: int, n_out: int):
         c, ws, dev, W, st = self.cfg, self.ws, self.rt.device, self.w, self.rt.stream
         hc_k.head(dev, self.dtype, ws["u"], ws["X"], W["hc_head_fn"].ptr, W["hc_head_base"].ptr,
                   W["hc_head_scale"].ptr, T, c.hc_mult, c.hidden_size, c.eps, c.hc_eps)(st)
-        ops.rmsnorm(dev, self.dtype, ws["y"], ws["u"], W["norm.weight"].ptr, T, c.hidden_size, c.eps)(st)
-        linear(self.blas, self.dtype, ws["y"], W["head.weight"].ptr, ws["logits"], T, c.vocab_size, c.hidden_size,
-               F32)(st)
+        # the rows that need logits, gathered (the embedding kernel over a table of T rows)
+        hc_k.embed(dev, self.dtype, ws["xn"], ws["out_rows"], ws["u"], n_out, T, 1, c.hidden_size)(st)
+        ops.rmsnorm(dev, self.dtype, ws["y"], ws["xn"], W["norm.weight"].ptr, n_out, c.hidden_size, c.eps)(st)
+        linear(self.blas, self.dtype, ws["y"], W["head.weight"].ptr, ws["logits"], n_out, c.vocab_size,
+               c.hidden_size, F32)(st)

@@ -1,0 +1,118 @@
+"""The GPU model runner: a scheduled step becomes one batched forward, sampled on the device.
+
+Each running request owns a slot (its row of the page tables); decode steps replay CUDA graphs. The
+prefix cache's snapshots are device copies of the pages a request holds at a block boundary (the
+compressed entries, the window and the compressor states), copied back into a resuming request's pages."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable
+
+import ml_dtypes
+import numpy as np
+
+from ..cuda.arena import OutOfArena
+from ..cuda.driver import check, drv
+from ..model.forward import Entry, GpuModel
+from ..model.graphs import DecodeGraphs
+from ..model.inputs import SamplingArrays
+from .scheduler import Step
+
+DTYPES = {"bf16": ml_dtypes.bfloat16, "float32": np.float32}
+
+
+@dataclass
+class Snapshot:
+    buffer: object                                   # arena buffer holding the pages' bytes
+    pages: list[tuple[str, int, int, int, int]]      # (kind, layer, column, offset in buffer, bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.nbytes
+
+
+class GpuRunner:
+    def __init__(self, model: GpuModel, graphs: bool = True):
+        self.model = model
+        self.graphs = DecodeGraphs(model, graphs)
+        self.slots: dict[Hashable, int] = {}
+        self.free_slots = list(range(model.max_batch - 1, -1, -1))
+
+    @classmethod
+    def build(cls, model_dir, dtype: str, kv_bytes: int, max_running: int, token_budget: int, max_len: int,
+              graphs: bool = True, runtime=None, numerics: str | None = None) -> "GpuRunner":
+        if numerics == "faithful":
+            raise ValueError("the GPU runner has exact numerics only for now; use --numerics exact or --device cpu")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
+        model = GpuModel(model_dir, DTYPES[dtype], runtime=runtime, max_len=max_len, kv_bytes=kv_bytes,
+                         max_batch=max_running, step_rows=max(token_budget, max_running))
+        return cls(model, graphs)
+
+    def run(self, step: Step) -> dict[Hashable, int]:
+        m = self.model
+        entries, sampled = [], []
+        for request, n in step:
+            slot = self.slots.get(request.id)
+            if slot is None:
+                if not self.free_slots:
+                    raise RuntimeError(f"more than {m.max_batch} running requests")
+                slot = self.slots[request.id] = self.free_slots.pop()
+            m.tables.refresh(slot, m.blocks, request.id, m.rt.stream)
+            ids = np.asarray(request.tokens(request.computed, request.computed + n), np.int32)
+            entries.append(Entry(slot, ids, request.computed))
+            sampled.append(request)
+        p = [r.params for r in sampled]
+        sampling = SamplingArrays(
+            temperature=np.array([x.temperature for x in p], np.float32), top_k=np.array([x.top_k for x in p], np.int32),
+            top_p=np.array([x.top_p for x in p], np.float32),
+            seed=np.array([r.sample_seed for r in sampled], np.uint64),
+            step=np.array([len(r.generated) for r in sampled], np.uint64))
+        if all(len(e.ids) == 1 for e in entries):
+            tokens = self.graphs.run(entries, sampling)
+        else:
+            tokens = m.run(entries, sampling=sampling)
+        return {r.id: int(t) for (r, n), t in zip(step, tokens) if r.computed + n == r.num_tokens}
+
+    def release(self, request_id: Hashable) -> None:
+        slot = self.slots.pop(request_id, None)
+        if slot is not None:
+            self.model.tables.forget(slot)
+            self.free_slots.append(slot)
+
+    def snapshot(self, request_id: Hashable) -> Snapshot | None:
+        """A copy of the pages the request holds now; None when the arena has no room for it."""
+        m = self.model
+        pages, total = [], 0
+        for (kind, layer), (_, _, k) in m.tables.at.items():
+            for col, page in enumerate(m.blocks.table(request_id, kind, layer)):
+                if page >= 0:
+                    pages.append((kind, layer, col, total, k.page_bytes, int(page)))
+                    total += -(-k.page_bytes // 256) * 256
+        try:
+            buffer = m.rt.arena.alloc(max(total, 256), "prefix snapshot")
+        except OutOfArena:
+            return None
+        for kind, layer, col, at, nbytes, page in pages:
+            self._copy(buffer.ptr + at, m.kv.ptr + m.allocator.offset(page), nbytes)
+        return Snapshot(buffer, [p[:5] for p in pages])
+
+    def restore(self, request_id: Hashable, snapshot: Snapshot) -> None:
+        """Copy a snapshot into the pages the request holds (those it lacks, it does not read)."""
+        m = self.model
+        tables = {}
+        for kind, layer, col, at, nbytes in snapshot.pages:
+            table = tables.get((kind, layer))
+            if table is None:
+                table = tables[kind, layer] = m.blocks.table(request_id, kind, layer)
+            if col < len(table) and table[col] >= 0:
+                self._copy(m.kv.ptr + m.allocator.offset(int(table[col])), snapshot.buffer.ptr + at, nbytes)
+
+    def discard(self, snapshot: Snapshot) -> None:
+        snapshot.buffer.free()
+
+    def _copy(self, dst: int, src: int, nbytes: int) -> None:
+        check(drv().cuMemcpyDtoDAsync(dst, src, nbytes, self.model.rt.stream.handle))
+
+    def close(self):
+        self.graphs.close()
