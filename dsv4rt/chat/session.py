@@ -28,13 +28,27 @@ class Generator:
         if ids[:len(self.fed)] != self.fed or len(ids) == len(self.fed):
             self.reset()
         new = ids[len(self.fed):]
-        logits = self.model.forward(self.state, np.array(new))
+        logits = self._last_logits(np.array(new))
         self.fed += new
-        return logits[-1]
+        return logits
 
     def step(self, token: int) -> np.ndarray:
         self.fed.append(token)
-        return self.model.forward(self.state, np.array([token]))[0]
+        return self._last_logits(np.array([token]))
+
+    def _last_logits(self, ids: np.ndarray) -> np.ndarray:
+        return self.model.forward(self.state, ids)[-1]
+
+
+class GpuGenerator(Generator):
+    """The same over the GPU model's request slot 0 (dsv4rt.model.forward.GpuModel)."""
+
+    def reset(self):
+        self.model.reset()
+        self.fed = []
+
+    def _last_logits(self, ids: np.ndarray) -> np.ndarray:
+        return self.model.forward(ids, last_only=True)[-1]
 
 
 @dataclass

@@ -31,6 +31,6 @@ def main():
 
 
 # the command modules register themselves on `main`
-from . import build, chat, generate, model_tools, plan  # noqa: E402,F401
+from . import bench, build, chat, generate, model_tools, plan  # noqa: E402,F401
 
 __all__ = ["main"]

@@ -19,6 +19,8 @@ HELP = """commands:
   /help                 this text
 Ctrl-C stops the current reply."""
 
+CHAT_MAX_LEN = 1 << 16        # positions of one conversation on the GPU
+CHAT_KV_BYTES = 4 << 30
 _SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "max_new_tokens": int, "seed": int}
 
 
@@ -85,6 +87,15 @@ def _command(session, line: str) -> bool:
     return True
 
 
+def _generator(path: Path, device: str, numerics: str | None):
+    from ..chat.session import Generator, GpuGenerator
+    if device == "cuda":
+        from ..model.forward import GpuModel
+        return GpuGenerator(GpuModel(path, max_len=CHAT_MAX_LEN, kv_bytes=CHAT_KV_BYTES))
+    from ..reference import load_model
+    return Generator(load_model(path, numerics))
+
+
 @main.command()
 @click.argument("model", required=False, type=click.Path(file_okay=False))
 @click.option("-p", "--prompt", help="answer this one message and exit")
@@ -100,18 +111,18 @@ def _command(session, line: str) -> bool:
 def chat(model, prompt, system, temperature, top_p, top_k, seed, max_new_tokens, thinking, device, numerics):
     """Talk to MODEL (default: the built-in demo model)."""
     from ..chat import load_tokenizer
-    from ..chat.session import ChatSession, Generator
-    from ..reference import load_model
-    resolve_device(device, gpu_ready=False)
+    from ..chat.session import ChatSession
     params = SamplingParams(temperature, top_p, top_k, max_new_tokens, seed).check()
     path = Path(model) if model else _ensure_demo()
-    session = ChatSession(Generator(load_model(path, numerics)), load_tokenizer(path), params, thinking, system)
+    device = resolve_device(device, gpu_ready=numerics != "faithful")
+    session = ChatSession(_generator(path, device, numerics), load_tokenizer(path), params, thinking, system)
     if prompt is not None:
         _say(session, prompt)
         return
     interactive = sys.stdin.isatty()
     if interactive:
-        click.echo(f"dsv4rt chat: {path} on the CPU. /help for commands, Ctrl-D to leave.")
+        where = "the GPU" if device == "cuda" else "the CPU"
+        click.echo(f"dsv4rt chat: {path} on {where}. /help for commands, Ctrl-D to leave.")
     while True:
         try:
             line = input(">>> " if interactive else "")

@@ -7,7 +7,7 @@ import time
 import click
 
 from . import main
-from .common import DEVICES
+from .common import DEVICES, resolve_device
 from ..reference.sampling import SamplingParams
 
 
@@ -32,7 +32,7 @@ def _read_prompts(path: str) -> list[str]:
 @click.option("--chat/--raw", default=True, show_default=True, help="wrap each prompt as a user turn, or feed it as is")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object a line: ids, text, finish reason")
 @click.option("--stats", is_flag=True, help="print time to first token and throughput on stderr")
-@click.option("--device", type=click.Choice(DEVICES), default="auto", help="auto: cpu until the GPU runner lands")
+@click.option("--device", type=click.Choice(DEVICES), default="auto", help="auto: the GPU when one is visible")
 @click.option("--numerics", type=click.Choice(["exact", "faithful"]), help="default: faithful for fp8 checkpoints")
 @click.option("--no-prefix-cache", is_flag=True, help="compute every prompt from its first token")
 def generate(model, prompts_path, max_new_tokens, temperature, seed, chat, as_json, stats, device, numerics,
@@ -43,8 +43,9 @@ def generate(model, prompts_path, max_new_tokens, temperature, seed, chat, as_js
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed).check()
     prompts = _read_prompts(prompts_path)
     texts = [encode_messages([{"role": "user", "content": p}]) for p in prompts] if chat else prompts
-    engine = Engine(model, "cpu" if device == "auto" else device, numerics=numerics,
-                    **({"prefix_cache_blocks": 0} if no_prefix_cache else {}))
+    device = resolve_device(device, gpu_ready=numerics != "faithful")
+    off = {"prefix_cache_blocks": 0, "prefix_cache_bytes": 0} if no_prefix_cache else {}
+    engine = Engine(model, device, numerics=numerics, **off)
     start = time.perf_counter()
     outputs = engine.generate(texts, params)
     seconds = time.perf_counter() - start
@@ -60,8 +61,20 @@ def generate(model, prompts_path, max_new_tokens, temperature, seed, chat, as_js
         ttft = f"{1e3 * sum(firsts) / len(firsts):.1f} ms mean, {1e3 * max(firsts):.1f} ms max" if firsts else "n/a"
         click.echo(f"requests {len(outputs)}, prompt tokens {sum(len(o.prompt_ids) for o in outputs)}, "
                    f"generated tokens {generated}; time to first token {ttft}; "
-                   f"{seconds:.2f} s, {generated / seconds:.1f} tokens/s", err=True)
+                   f"{seconds:.2f} s, {generated / seconds:.1f} tokens/s{_hbm(engine, seconds)}", err=True)
         if engine.prefix is not None:
             p = engine.prefix.stats
             click.echo(f"prefix cache: {p.hits} hits, {p.blocks_reused} blocks reused, {p.tokens_skipped} tokens skipped",
                        err=True)
+
+
+def _hbm(engine, seconds: float) -> str:
+    """Achieved HBM bandwidth: the bytes each step had to read (dsv4rt.model.roofline) over the run's time."""
+    if not hasattr(engine.runner, "model") or not hasattr(engine.runner.model, "w"):
+        return ""
+    from ..model.roofline import decode_bytes
+    m = engine.runner.model
+    sizes = {name: a.nbytes for name, a in m.w.items()}
+    total = sum(n * decode_bytes(m.cfg, sizes, batch, context, m.dtype.itemsize)
+                for (batch, context), n in engine.step_shapes.items())
+    return f", {total / seconds / 1e9:.1f} GB/s of HBM reads"

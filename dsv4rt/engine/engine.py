@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 import time
 from dataclasses import dataclass
 from typing import Hashable, Iterator, Sequence
@@ -47,7 +48,7 @@ class Engine:
                 raise ValueError("device 'cuda' was asked for, but no NVIDIA GPU is visible")
             from .gpu_runner import GpuRunner
             self.runner = GpuRunner.build(model_dir, dtype, kv_bytes, max_running, token_budget, max_len, graphs,
-                                          runtime, numerics)
+                                          runtime, numerics, slab_bytes)
             self.cfg, blocks = self.runner.model.cfg, self.runner.model.blocks
             chunk = self.runner.model.max_chunk
             capacity, size = prefix_cache_bytes, lambda snapshot: snapshot.nbytes
@@ -63,6 +64,8 @@ class Engine:
         self.scheduler = Scheduler(blocks, token_budget, max_running, self.prefix, max_chunk=chunk)
         self._live: dict[Hashable, Request] = {}
         self._ids = itertools.count()
+        # steps by (requests, mean position to 1024), for --stats: bounded however long the engine runs
+        self.step_shapes: Counter[tuple[int, int]] = Counter()
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> int:
         params = (params or SamplingParams()).check()
@@ -103,6 +106,7 @@ class Engine:
             if request.resume is not None:
                 self.runner.restore(request.id, request.resume)
                 request.resume = None
+        self.step_shapes[len(step), sum(r.computed for r, _ in step) // len(step) // 1024 * 1024] += 1
         tokens = self.runner.run(step)
         finished = []
         for request, n in step:
@@ -112,8 +116,9 @@ class Engine:
             if request.remaining:          # a prefill chunk short of the last token: nothing to sample
                 continue
             token = tokens[request.id]
+            request.token_times.append(time.perf_counter())
             if request.first_token_at is None:
-                request.first_token_at = time.perf_counter()
+                request.first_token_at = request.token_times[0]
             if token != EOS:
                 request.generated.append(token)
             if token == EOS or len(request.generated) >= request.params.max_new_tokens:

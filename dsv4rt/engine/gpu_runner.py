@@ -13,6 +13,7 @@ import numpy as np
 
 from ..cuda.arena import OutOfArena
 from ..cuda.driver import check, drv
+from ..kv.slab import DEFAULT_SLAB_BYTES
 from ..model.forward import Entry, GpuModel
 from ..model.graphs import DecodeGraphs
 from ..model.inputs import SamplingArrays
@@ -35,18 +36,21 @@ class GpuRunner:
     def __init__(self, model: GpuModel, graphs: bool = True):
         self.model = model
         self.graphs = DecodeGraphs(model, graphs)
+        self.keep_logits = False        # tests: keep each sampled request's logits in self.logits
+        self.logits: dict[Hashable, np.ndarray] = {}
         self.slots: dict[Hashable, int] = {}
         self.free_slots = list(range(model.max_batch - 1, -1, -1))
 
     @classmethod
     def build(cls, model_dir, dtype: str, kv_bytes: int, max_running: int, token_budget: int, max_len: int,
-              graphs: bool = True, runtime=None, numerics: str | None = None) -> "GpuRunner":
+              graphs: bool = True, runtime=None, numerics: str | None = None,
+              slab_bytes: int = DEFAULT_SLAB_BYTES) -> "GpuRunner":
         if numerics == "faithful":
             raise ValueError("the GPU runner has exact numerics only for now; use --numerics exact or --device cpu")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
         model = GpuModel(model_dir, DTYPES[dtype], runtime=runtime, max_len=max_len, kv_bytes=kv_bytes,
-                         max_batch=max_running, step_rows=max(token_budget, max_running))
+                         max_batch=max_running, step_rows=max(token_budget, max_running), slab_bytes=slab_bytes)
         return cls(model, graphs)
 
     def run(self, step: Step) -> dict[Hashable, int]:
@@ -72,6 +76,8 @@ class GpuRunner:
             tokens = self.graphs.run(entries, sampling)
         else:
             tokens = m.run(entries, sampling=sampling)
+        if self.keep_logits:
+            self.logits.update(zip((r.id for r, _ in step), m.outputs(len(step))))
         return {r.id: int(t) for (r, n), t in zip(step, tokens) if r.computed + n == r.num_tokens}
 
     def release(self, request_id: Hashable) -> None:

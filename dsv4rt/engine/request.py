@@ -33,6 +33,7 @@ class Request:
     sample_seed: int = field(init=False)
     arrived: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    token_times: list[float] = field(default_factory=list)   # when each token was sampled (EOS too)
     prefix_key: bytes | None = None      # the prefix cache entry it resumed from and holds
     resume: object | None = None         # that entry's snapshot, for the runner to restore before the next step
     _hashes: list[bytes] = field(default_factory=list, init=False, repr=False)

@@ -14,6 +14,7 @@ from ..cuda import ops
 from ..cuda.device import Event, Stream
 from ..cuda.runtime import Runtime
 from ..kv import BlockManager, SlabAllocator, build_plan
+from ..kv.slab import DEFAULT_SLAB_BYTES
 from ..loader import Checkpoint
 from . import attention as attn_k
 from . import compress as comp_k
@@ -59,7 +60,8 @@ class GpuModel:
     cache, whose pages the block manager holds only for what a step reads or leaves to the next."""
 
     def __init__(self, model_dir, dtype=ml_dtypes.bfloat16, *, runtime: Runtime | None = None,
-                 max_len: int = 4096, kv_bytes: int = 256 << 20, max_batch: int = 1, step_rows: int | None = None):
+                 max_len: int = 4096, kv_bytes: int = 256 << 20, max_batch: int = 1, step_rows: int | None = None,
+                 slab_bytes: int = DEFAULT_SLAB_BYTES):
         self.dtype = np.dtype(dtype)
         self.rt = rt = runtime or Runtime(arena_bytes=None)
         with Checkpoint.open(model_dir) as ck:
@@ -71,7 +73,7 @@ class GpuModel:
         self.rows = step_rows or self.max_chunk
         self.plan = build_plan(cfg, "exact", element_bytes=self.dtype.itemsize)
         self.kv = rt.arena.alloc(kv_bytes, "KV cache")
-        self.allocator = SlabAllocator(kv_bytes, self.plan.class_page_bytes)
+        self.allocator = SlabAllocator(kv_bytes, self.plan.class_page_bytes, slab_bytes)
         self.blocks = BlockManager(self.plan, self.allocator)
         self.tables = PageTables(rt.arena, self.plan, self.allocator, max_len, max_batch)
         self.blas, self.side_blas = Blas(rt.arena), Blas(rt.arena)
@@ -120,8 +122,9 @@ class GpuModel:
         self.n_max = n_max
 
     # --- one request (tests, `dsv4rt logits`) ---------------------------------------------------
-    def forward(self, ids) -> np.ndarray:
-        """Logits [T, vocab] (float32) of the next tokens `ids` of the request in slot 0."""
+    def forward(self, ids, last_only: bool = False) -> np.ndarray:
+        """Logits [T, vocab] (float32) of the next tokens `ids` of the request in slot 0, or [1, vocab]
+        of the last one."""
         ids = np.asarray(ids, np.int64).reshape(-1)
         if len(ids) and (ids.min() < 0 or ids.max() >= self.cfg.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
@@ -132,7 +135,12 @@ class GpuModel:
             chunk = ids[a:a + self.max_chunk]
             self.blocks.place(0, self.length + len(chunk))
             self.tables.refresh(0, self.blocks, 0, self.rt.stream)
-            out.append(self.run([Entry(0, chunk, self.length)], every_row=True))
+            last = last_only and a + self.max_chunk >= len(ids)
+            if not last_only or last:
+                out.append(self.run([Entry(0, chunk, self.length)], every_row=not last))
+            else:
+                self.upload([Entry(0, chunk, self.length)], every_row=False)
+                self.launch(len(chunk), 1, False)
             self.length += len(chunk)
         return np.concatenate(out) if out else np.zeros((0, self.cfg.vocab_size), np.float32)
 

@@ -40,14 +40,18 @@ class PageTables:
         stamp = (request, blocks.version(request))
         if self.uploaded[slot] == stamp:
             return
-        row = self.host[slot]
-        row[:] = -1
+        row = np.full(self.slot_cols, -1, np.int64)
         for (kind, layer), (at, cols, k) in self.at.items():
             ids = blocks.table(request, kind, layer)[:cols]
             row[at:at + len(ids)] = self.allocator.offsets(ids, k.size_class)
-        # Stream-ordered after earlier steps, which may still read the old row; from pageable memory the
-        # call returns once the row is staged, so the host may rewrite it at once.
-        self.device.copy_from_host(row, stream, offset=slot * row.nbytes)
+        changed = np.flatnonzero(row != self.host[slot])
+        if len(changed):
+            # only the span that moved: long contexts have rows of megabytes, a decode step moves a few pages
+            a, b = changed[0], changed[-1] + 1
+            self.host[slot, a:b] = row[a:b]
+            # Stream-ordered after earlier steps, which may still read the old row; from pageable memory
+            # the call returns once the span is staged, so the host may rewrite it at once.
+            self.device.copy_from_host(self.host[slot, a:b], stream, offset=(slot * self.slot_cols + a) * 8)
         self.uploaded[slot] = stamp
 
     def forget(self, slot: int) -> None:

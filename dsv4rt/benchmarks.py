@@ -1,0 +1,149 @@
+"""What `dsv4rt bench` measures (see dsv4rt/cli/bench.py): decode step times against the HBM roofline,
+prefill throughput, and a serving run's throughput and latencies. GPU only."""
+from __future__ import annotations
+
+import time
+
+import ml_dtypes
+import numpy as np
+
+from .cuda.device import Event
+from .cuda.runtime import Runtime
+from .kv.blocks import OutOfPages
+from .kv.plan import build_plan
+from .loader import Checkpoint
+from .model.forward import Entry, GpuModel
+from .model.graphs import DecodeGraphs
+from .model.inputs import SamplingArrays
+from .model.roofline import decode_bytes
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+SLAB_SLACK = 3 * (2 << 20)      # a partly used slab per size class
+
+
+def _kv_bytes(model_dir, context: int, batch: int) -> int:
+    with Checkpoint.open(model_dir) as ck:
+        plan = build_plan(ck.config, "exact", element_bytes=BF16.itemsize)
+    return int(batch * plan.sequence_bytes(context + 2) * 1.02) + SLAB_SLACK
+
+
+def _weights_bytes(model_dir) -> int:
+    from pathlib import Path
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+
+
+def _greedy(n: int) -> SamplingArrays:
+    return SamplingArrays(np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32),
+                          np.zeros(n, np.uint64), np.zeros(n, np.uint64))
+
+
+def _fill_random(model: GpuModel) -> None:
+    """Every KV byte as random bf16 values (compressor states read them in pairs: finite floats too)."""
+    import cupy as cp
+    n = model.kv.nbytes // 2
+    words = cp.ndarray((n,), cp.uint16, cp.cuda.MemoryPointer(
+        cp.cuda.UnownedMemory(model.kv.ptr, model.kv.nbytes, model), 0))
+    chunk = 1 << 28
+    for a in range(0, n, chunk):
+        x = cp.random.standard_normal(min(chunk, n - a), dtype=cp.float32) * 0.5
+        words[a:a + len(x)] = (x.view(cp.uint32) >> 16).astype(cp.uint16)
+    cp.cuda.Device().synchronize()
+
+
+def decode(model_dir, batches: list[int], contexts: list[int], reps: int, copy_gbps: float) -> list[dict]:
+    rows = []
+    for C in contexts:
+        with Runtime() as rt:
+            B_max = max(batches)
+            kv = min(_kv_bytes(model_dir, C, B_max), rt.arena.size - _weights_bytes(model_dir) - (8 << 30))
+            m = GpuModel(model_dir, BF16, runtime=rt, max_len=C + 64, kv_bytes=kv, max_batch=B_max, step_rows=B_max)
+            sizes = {name: a.nbytes for name, a in m.w.items()}
+            graphs = DecodeGraphs(m)
+            _fill_random(m)
+            placed = 0
+            for B in sorted(batches):
+                try:
+                    for r in range(placed, B):
+                        m.blocks.place(r, C)
+                        m.blocks.place(r, C + 1)
+                        placed += 1
+                except OutOfPages:
+                    rows.append(dict(batch=B, context=C, note=f"does not fit ({kv / 2**30:.1f} GiB of KV)"))
+                    continue
+                rows.append(_time_decode(m, graphs, B, C, reps, copy_gbps, sizes))
+            graphs.close()
+    return rows
+
+
+def _time_decode(m: GpuModel, graphs: DecodeGraphs, B: int, C: int, reps: int, copy_gbps: float, sizes) -> dict:
+    entries = [Entry(r, np.zeros(1, np.int32), C) for r in range(B)]
+    for r in range(B):
+        m.tables.refresh(r, m.blocks, r, m.rt.stream)
+    sampling = _greedy(B)
+    graphs.run(entries, sampling)
+    graphs.run(entries, sampling)                # the first run of a tier captures its graph
+    graph, st = graphs.graphs[graphs.tier(B)], m.rt.stream
+    times, host = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for r in range(B):
+            m.tables.refresh(r, m.blocks, r, st)
+        m.upload(entries, pad_to=graphs.tier(B), sampling=sampling)
+        start = st.record(Event())
+        graph.replay(st)
+        end = st.record(Event())
+        host.append(time.perf_counter() - t0)
+        end.synchronize()
+        times.append(start.elapsed_ms(end))
+    step = float(np.median(times))
+    nbytes = decode_bytes(m.cfg, sizes, B, C, m.dtype.itemsize)
+    roof = nbytes / (copy_gbps * 1e9) * 1e3
+    return dict(batch=B, context=C, step_ms=step, roofline_ms=roof, fraction=roof / step,
+                host_us=float(np.median(host)) * 1e6, gbps=nbytes / step / 1e6, note="")
+
+
+def prefill(model_dir, lengths: list[int]) -> list[dict]:
+    rows = []
+    with Runtime() as rt:
+        L = max(lengths)
+        m = GpuModel(model_dir, BF16, runtime=rt, max_len=L + 1, kv_bytes=_kv_bytes(model_dir, L, 1))
+        m.forward(np.arange(2, 300), last_only=True)     # loads every kernel
+        for T in lengths:
+            m.reset()
+            ids = np.random.default_rng(T).integers(2, m.cfg.vocab_size, T)
+            t0 = time.perf_counter()
+            m.forward(ids, last_only=True)
+            s = time.perf_counter() - t0
+            rows.append(dict(tokens=T, seconds=s, tokens_per_s=T / s, note=f"chunks of {m.max_chunk}"))
+    return rows
+
+
+def serve(model_dir, n: int, prompt_len: list[int], output_len: list[int], max_running: int, seed: int) -> dict:
+    from .engine import Engine
+    from .reference.sampling import SamplingParams
+    rng = np.random.default_rng(seed)
+    lo, hi = prompt_len
+    out_lo, out_hi = output_len
+    lens = rng.integers(lo, hi + 1, n)
+    outs = rng.integers(out_lo, out_hi + 1, n)
+    kv = _kv_bytes(model_dir, hi + out_hi, min(n, max_running))
+    e = Engine(model_dir, "cuda", kv_bytes=kv, max_running=max_running, max_len=hi + out_hi + 8,
+               token_budget=max(512, max_running))
+    e.generate([[2, 3, 4]], SamplingParams(temperature=0, max_new_tokens=4))     # loads kernels
+    vocab = e.cfg.vocab_size
+    t0 = time.perf_counter()
+    ids = [e.add_request(rng.integers(2, vocab, int(L)).tolist(), SamplingParams(temperature=0, max_new_tokens=int(k)))
+           for L, k in zip(lens, outs)]
+    requests = [e._live[i] for i in ids]
+    while e.has_unfinished():
+        e.step()
+    wall = time.perf_counter() - t0
+    ttft = [r.token_times[0] - r.arrived for r in requests]
+    itl = np.concatenate([np.diff(r.token_times) for r in requests if len(r.token_times) > 1] or [np.zeros(0)])
+    generated = sum(len(r.token_times) for r in requests)
+    return dict(requests=n, prompt_tokens=int(lens.sum()), generated=generated, seconds=wall,
+                tokens_per_s=generated / wall, ttft_p50_ms=float(np.percentile(ttft, 50)) * 1e3,
+                ttft_p99_ms=float(np.percentile(ttft, 99)) * 1e3,
+                itl_p50_ms=float(np.percentile(itl, 50)) * 1e3 if len(itl) else 0.0,
+                itl_p99_ms=float(np.percentile(itl, 99)) * 1e3 if len(itl) else 0.0,
+                preemptions=e.scheduler.preemptions)
