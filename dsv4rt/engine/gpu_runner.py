@@ -59,8 +59,9 @@ class GpuRunner:
         for request, n in step:
             slot = self.slots.get(request.id)
             if slot is None:
-                if not self.free_slots:
-                    raise RuntimeError(f"more than {m.max_batch} running requests")
+                if not self.free_slots:        # preempted requests hold no pages: their slots are free
+                    for other in [k for k in self.slots if k not in m.blocks]:
+                        self.release(other)
                 slot = self.slots[request.id] = self.free_slots.pop()
             m.tables.refresh(slot, m.blocks, request.id, m.rt.stream)
             ids = np.asarray(request.tokens(request.computed, request.computed + n), np.int32)
