@@ -56,7 +56,8 @@ def decode(model_dir, batches: list[int], contexts: list[int], reps: int, copy_g
         with Runtime() as rt:
             B_max = max(batches)
             kv = min(_kv_bytes(model_dir, C, B_max), rt.arena.size - _weights_bytes(model_dir) - (8 << 30))
-            m = GpuModel(model_dir, BF16, runtime=rt, max_len=C + 64, kv_bytes=kv, max_batch=B_max, step_rows=B_max)
+            m = GpuModel(model_dir, BF16, runtime=rt, max_len=C + 64, kv_bytes=kv, max_batch=B_max,
+                         step_rows=1 << (B_max - 1).bit_length())
             sizes = {name: a.nbytes for name, a in m.w.items()}
             graphs = DecodeGraphs(m)
             _fill_random(m)

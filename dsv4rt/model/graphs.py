@@ -16,7 +16,9 @@ TIERS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 class DecodeGraphs:
     def __init__(self, model: GpuModel, enabled: bool = True):
         self.model, self.enabled = model, enabled
-        self.tiers = [t for t in TIERS if t <= min(model.max_batch, model.rows) or t == 1]
+        # up to the first tier that holds max_batch requests, where the workspace has its rows
+        top = next((t for t in TIERS if t >= model.max_batch), TIERS[-1])
+        self.tiers = [t for t in TIERS if t <= min(top, model.rows) or t == 1]
         self.graphs: dict[int, Graph] = {}
 
     def tier(self, n: int) -> int | None:
