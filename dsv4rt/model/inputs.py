@@ -54,12 +54,17 @@ class StepInputs:
         v["ids"][:T] = 0
         v["pos"][:T] = 0
         v["req"][:T] = -1
-        at = 0
-        for e, k in zip(entries, lengths):
-            v["ids"][at:at + k] = e.ids
-            v["pos"][at:at + k] = np.arange(e.start, e.start + k)
-            v["req"][at:at + k] = e.slot
-            at += k
+        if T == n or pad_to:          # one token each (decode): no per-entry slicing, it is host time per step
+            v["ids"][:n] = [int(e.ids[0]) for e in entries]
+            v["pos"][:n] = [e.start for e in entries]
+            v["req"][:n] = [e.slot for e in entries]
+        else:
+            at = 0
+            for e, k in zip(entries, lengths):
+                v["ids"][at:at + k] = e.ids
+                v["pos"][at:at + k] = np.arange(e.start, e.start + k)
+                v["req"][at:at + k] = e.slot
+                at += k
         if pad_to or every_row:
             self.n_out = T
             v["out_rows"][:T] = np.arange(T)

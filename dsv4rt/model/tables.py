@@ -28,7 +28,7 @@ class PageTables:
         self.device.copy_from_host(self.host)
         self.page_start = arena.alloc(4 * slots, "page starts")
         self.page_start.copy_from_host(np.arange(slots, dtype=np.int32) * cols_total)
-        self.uploaded: list[tuple[object, int] | None] = [None] * slots   # (request, version) per slot
+        self.versions = [-1] * slots        # the block manager's version of what each slot shows
 
     def cache(self, kv_base: int, kind: str, layer: int) -> PagedCache:
         at, _, k = self.at[kind, layer]
@@ -37,8 +37,8 @@ class PageTables:
 
     def refresh(self, slot: int, blocks: BlockManager, request, stream) -> None:
         """Make slot's row show the request's pages, unless it already does."""
-        stamp = (request, blocks.version(request))
-        if self.uploaded[slot] == stamp:
+        version = blocks.version(request)
+        if self.versions[slot] == version:   # versions are unique over all requests
             return
         row = np.full(self.slot_cols, -1, np.int64)
         for (kind, layer), (at, cols, k) in self.at.items():
@@ -52,7 +52,7 @@ class PageTables:
             # Stream-ordered after earlier steps, which may still read the old row; from pageable memory
             # the call returns once the span is staged, so the host may rewrite it at once.
             self.device.copy_from_host(self.host[slot, a:b], stream, offset=(slot * self.slot_cols + a) * 8)
-        self.uploaded[slot] = stamp
+        self.versions[slot] = version
 
     def forget(self, slot: int) -> None:
-        self.uploaded[slot] = None
+        self.versions[slot] = -1
