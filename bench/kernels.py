@@ -2,7 +2,8 @@
 time, achieved GB/s and TFLOP/s, and the fraction of the measured ceilings (device copy bandwidth,
 cuBLAS bf16 matrix rate).
 
-usage: python bench/kernels.py [--batches 1,8,64] [--contexts 4096,65536] [--reps 20]
+usage: python bench/kernels.py [--batches 1,8,64] [--contexts 4096,65536] [--reps 20] [--only moe,hc_pre]
+(--only: the kernels whose names start with one of these prefixes.)
 Bytes count each input read once and each output written once (METHOD.md). Weights and caches hold
 random values tiled from one random block; expert weights a constant (12.9 GB of them).
 Prints a table and writes bench/results/kernels.json.
@@ -31,8 +32,8 @@ RANDOM = 64 << 20
 
 
 class Bench:
-    def __init__(self, rt, reps: int):
-        self.rt, self.reps, self.rows = rt, reps, []
+    def __init__(self, rt, reps: int, only: list[str]):
+        self.rt, self.reps, self.rows, self.only = rt, reps, [], only
         self.dev, self.st = rt.device, rt.stream
         self.block = rt.arena.alloc(RANDOM)
         rng = np.random.default_rng(0)
@@ -68,7 +69,12 @@ class Bench:
         graph.close()
         return statistics.median(times)
 
+    def wants(self, name: str) -> bool:
+        return not self.only or any(name.startswith(p) for p in self.only)
+
     def record(self, name, batch, ctx, run, nbytes, flops=0.0):
+        if not self.wants(name):
+            return
         try:
             t = self.time(run)
         except Exception as e:  # one kernel failing must not hide the others' numbers
@@ -117,7 +123,7 @@ def per_batch(b: Bench, blas: Blas, B: int):
     gemms = [("gemm wq_a 4096>1024", D, QL, BF16), ("gemm wq_b 1024>32768", QL, H * HD, BF16),
              ("gemm wkv 4096>512", D, HD, BF16), ("gemm compressor 4096>1024 f32", D, 2 * HD, F32),
              ("gemm wo_b 8192>4096", G * OL, D, BF16), ("gemm head 4096>129280 f32", D, V, F32)]
-    for name, k, n, out in gemms:
+    for name, k, n, out in filter(lambda g: b.wants(g[0]), gemms):
         xa, wa, ya = b.buf(B * k * T), b.buf(n * k * T), b.buf(B * n * out.itemsize, fill=False)
         b.record(name, B, 0, linear(blas, BF16, xa.ptr, wa.ptr, ya.ptr, B, n, k, out),
                  (B * k + n * k) * T + B * n * out.itemsize, 2 * B * n * k)
@@ -126,7 +132,8 @@ def per_batch(b: Bench, blas: Blas, B: int):
     o, wo, t = b.buf(B * H * HD * T), b.buf(G * OL * (H * HD // G) * T), b.buf(B * G * OL * T, fill=False)
     b.record("gemm wo_a grouped 8x4096>1024", B, 0, grouped_linear(blas, BF16, o.ptr, wo.ptr, t.ptr, B, G, OL, H * HD // G),
              (o.nbytes + wo.nbytes + t.nbytes), 2 * B * G * OL * (H * HD // G))
-    moe(b, blas, B)
+    if b.wants("moe"):
+        moe(b, blas, B)
     logits = b.buf(B * V * 4)
     temp, topk, topp = b.host(np.full(B, 0.7, np.float32)), b.host(np.zeros(B, np.int32)), b.host(np.full(B, 0.95, np.float32))
     seed, step, out = b.host(np.arange(B, dtype=np.uint64)), b.host(np.zeros(B, np.uint64)), b.buf(B * 4, fill=False)
@@ -154,8 +161,12 @@ def moe(b: Bench, blas: Blas, B: int):
               routed=ExpertWeights(*(t.ptr for t in tables)),
               shared=ExpertWeights(shared.ptr, shared.ptr + per * T, shared.ptr + 2 * per * T), scaling=1.5,
               limit=10.0, workspace=ws.ptr, bias=b.host(bias_h).ptr)
-    nbytes = (touched + 1) * 3 * per * T + gate_h.nbytes + 2 * B * D * T
-    b.record(f"moe 256x2048 top-6 ({touched} experts)", B, 0, run, nbytes, 2 * B * (K_ACT + 1) * 3 * per)
+    weights = (touched + 1) * 3 * per * T
+    b.record(f"moe 256x2048 top-6 ({touched} experts)", B, 0, run, weights + gate_h.nbytes + 2 * B * D * T,
+             2 * B * (K_ACT + 1) * 3 * per)
+    # The grouped expert GEMMs alone (the routing of the full run above stays in the workspace).
+    b.record(f"moe grouped gemms ({'skinny' if dims.skinny else 'tiled'})", B, 0,
+             lambda st: [launch(st) for launch in run.grouped], weights, 2 * B * (K_ACT + 1) * 3 * per)
     experts.free()
 
 
@@ -196,17 +207,18 @@ def main():
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--contexts", default="4096,65536")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--only", default="", help="comma-separated kernel-name prefixes (default: all)")
     # A driver memcpy inside a graph runs on the copy engines (2.8 TB/s measured): the copy ceiling is a
     # kernel's device-to-device copy, 4.3 TB/s on this H200 (KINDS.md), read plus write.
     ap.add_argument("--copy-gbps", type=float, default=4300.0)
     a = ap.parse_args()
     batches, contexts = [int(v) for v in a.batches.split(",")], [int(v) for v in a.contexts.split(",")]
     with Runtime(arena_bytes=40 << 30) as rt:
-        b, blas = Bench(rt, a.reps), Blas(rt.arena)
+        b, blas = Bench(rt, a.reps, [p for p in a.only.split(",") if p]), Blas(rt.arena)
         copy, mm = a.copy_gbps, matrix_rate(b, blas)
         for B in batches:
             per_batch(b, blas, B)
-            for C in contexts:
+            for C in contexts if b.wants("attention") or b.wants("indexer") else []:
                 per_context(b, B, C)
     print(f"ceilings: device copy {copy:.0f} GB/s (given), cuBLAS bf16 {mm:.0f} TFLOP/s (measured)")
     print(f"{'kernel':34s} {'B':>3s} {'ctx':>6s} {'us':>9s} {'GB/s':>7s} {'TFLOP/s':>8s} {'of ceiling':>10s}")

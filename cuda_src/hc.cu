@@ -1,5 +1,8 @@
 // dsv4rt-instantiate: hc_embed<float> hc_embed<__nv_bfloat16>
 // dsv4rt-instantiate: hc_pre<float,2> hc_pre<float,4> hc_pre<__nv_bfloat16,2> hc_pre<__nv_bfloat16,4>
+// dsv4rt-instantiate: hc_pre_split<float,2,1> hc_pre_split<float,4,1> hc_pre_split<float,2,4> hc_pre_split<float,4,4>
+// dsv4rt-instantiate: hc_pre_split<__nv_bfloat16,2,1> hc_pre_split<__nv_bfloat16,4,1>
+// dsv4rt-instantiate: hc_pre_split<__nv_bfloat16,2,4> hc_pre_split<__nv_bfloat16,4,4>
 // dsv4rt-instantiate: hc_head<float,2> hc_head<float,4> hc_head<__nv_bfloat16,2> hc_head<__nv_bfloat16,4>
 // dsv4rt-instantiate: hc_post<float,2> hc_post<float,4> hc_post<__nv_bfloat16,2> hc_post<__nv_bfloat16,4>
 #include "common.cuh"
@@ -11,8 +14,31 @@
 constexpr int kHcThreads = 256;
 constexpr int kHcTok = 4;
 constexpr int kHcMaxTok = kHcTok * (kHcThreads / 32);
+constexpr int kHcSplit = 8;  // blocks of a cluster in hc_pre_split (the portable maximum)
 
 __device__ __forceinline__ float sigmoid(float x) { return 0.5f * (1.f + tanhf(0.5f * x)); }
+
+// Thread block clusters (sm_90) in PTX: cooperative_groups' cluster API needs CCCL headers NVRTC lacks here.
+__device__ __forceinline__ int cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return static_cast<int>(r);
+}
+
+// A barrier of every thread of the cluster that also orders their shared-memory writes before it.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// The float at the address of `local` in the shared memory of the cluster's block `rank`.
+__device__ __forceinline__ float cluster_load(const float* local, int rank) {
+    const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(local));
+    unsigned remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
 
 template <int N>
 __device__ __forceinline__ void load_f32(const float* p, float (&w)[N]) {
@@ -27,13 +53,13 @@ __device__ __forceinline__ void load_f32(const float* p, float (&w)[N]) {
     }
 }
 
-// N consecutive elements at k of each of the group's tokens (rows of K) against the R rows of fn.
-template <typename T, int R, int N>
+// N consecutive elements at k of each of the group's ntok ≤ NT tokens (rows of K) against the R rows of fn.
+template <typename T, int R, int N, int NT>
 __device__ __forceinline__ void project_chunk(const T* x, const float* fn, int k, int K, int ntok,
-                                              float (&acc)[kHcTok][R], float (&ss)[kHcTok]) {
-    float xv[kHcTok][N];
+                                              float (&acc)[NT][R], float (&ss)[NT]) {
+    float xv[NT][N];
 #pragma unroll
-    for (int t = 0; t < kHcTok; ++t) {
+    for (int t = 0; t < NT; ++t) {
         if (t < ntok) {
             if constexpr (N == 1) xv[t][0] = to_float(x[static_cast<size_t>(t) * K + k]);
             else load_vec(x + static_cast<size_t>(t) * K + k, xv[t]);
@@ -44,14 +70,20 @@ __device__ __forceinline__ void project_chunk(const T* x, const float* fn, int k
 #pragma unroll
         for (int e = 0; e < N; ++e) ss[t] += xv[t][e] * xv[t][e];
     }
+    // fn rows loaded ahead of their use: all R for one token (decode, paced by the loads in flight), else one
+    // at a time (the registers hold NT tokens' accumulators).
+    constexpr int AHEAD = NT == 1 ? R : 1;
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        float w[N];
-        load_f32(fn + static_cast<size_t>(r) * K + k, w);
+    for (int r0 = 0; r0 < R; r0 += AHEAD) {
+        float w[AHEAD][N];
 #pragma unroll
-        for (int t = 0; t < kHcTok; ++t)
+        for (int r = 0; r < AHEAD; ++r) load_f32(fn + static_cast<size_t>(r0 + r) * K + k, w[r]);
 #pragma unroll
-            for (int e = 0; e < N; ++e) acc[t][r] += xv[t][e] * w[e];
+        for (int r = 0; r < AHEAD; ++r)
+#pragma unroll
+            for (int t = 0; t < NT; ++t)
+#pragma unroll
+                for (int e = 0; e < N; ++e) acc[t][r0 + r] += xv[t][e] * w[r][e];
     }
 }
 
@@ -162,14 +194,17 @@ __device__ __forceinline__ void project(const T* x, const float* fn, int t0, int
     __syncthreads();
 }
 
-// out[t] = Σ_j w[t][j] · X[t, j] for the block's tokens, in T storage.
+// out[t] = Σ_j w[t][j] · X[t, j] for the block's tokens, in T storage: the part-th of `parts` equal runs
+// of the (token, column chunk) pairs.
 template <typename T, int HC>
-__device__ __forceinline__ void combine(T* out, const T* x, const float (*w)[HC], int t0, int nb, int dim) {
+__device__ __forceinline__ void combine(T* out, const T* x, const float (*w)[HC], int t0, int nb, int dim,
+                                        int part = 0, int parts = 1) {
     constexpr int V = kVec<T>;
     const int tid = threadIdx.y * blockDim.x + threadIdx.x;
     const bool vec = dim % V == 0 && aligned16(out) && aligned16(x);
-    const int chunks = vec ? dim / V : dim;
-    for (int i = tid; i < nb * chunks; i += kHcThreads) {
+    const int chunks = vec ? dim / V : dim, run = (nb * chunks + parts - 1) / parts;
+    const int end = min(nb * chunks, (part + 1) * run);
+    for (int i = part * run + tid; i < end; i += kHcThreads) {
         const int tok = i / chunks, c = i - tok * chunks;
         const T* xt = x + static_cast<size_t>(t0 + tok) * HC * dim;
         T* ot = out + static_cast<size_t>(t0 + tok) * dim;
@@ -220,30 +255,105 @@ __device__ __forceinline__ float sinkhorn(float c, float hc_eps, int iters) {
     return c;
 }
 
-// Block input u [T, D], post [T, HC] and comb [T, HC, HC] (comb[t, j, k] weighs X_j into X'_k).
-template <typename T, int HC>
-__global__ void __launch_bounds__(kHcThreads) hc_pre(T* u, float* post, float* comb, const T* x, const float* fn,
-                                                     const float* base, const float* scale, int tokens, int dim,
-                                                     float eps, float hc_eps, int iters) {
-    constexpr int R = (2 + HC) * HC;
+// pre [tok][j] (shared memory) of the block's tokens from their projections v, and when `outputs` also
+// post [T, HC] and comb [T, HC, HC] (comb[t, j, k] weighs X_j into X'_k). One warp per token. Ends with a barrier.
+template <int HC, int R>
+__device__ __forceinline__ void mix(const float (*v)[R + 1], float (*pre)[HC], float* post, float* comb,
+                                    const float* base, const float* scale, int t0, int nb, float hc_eps, int iters,
+                                    bool outputs) {
     static_assert(HC * HC <= 32, "Sinkhorn holds the matrix in one warp");
-    __shared__ float v[kHcMaxTok][R + 1];
-    __shared__ float pre[kHcMaxTok][HC];
-    const int t0 = blockIdx.x * blockDim.y * kHcTok, nb = min(blockDim.y * kHcTok, tokens - t0);
-    project<T, R>(x, fn, t0, nb, HC * dim, eps, v);
     const int tid = threadIdx.y * blockDim.x + threadIdx.x, lane = tid & 31;
     for (int tok = tid >> 5; tok < nb; tok += kHcThreads / 32) {
         const float* vt = v[tok];
         if (lane < HC) {
             pre[tok][lane] = sigmoid(scale[0] * vt[lane] + base[lane]) + hc_eps;
-            post[static_cast<size_t>(t0 + tok) * HC + lane] = 2.f * sigmoid(scale[1] * vt[HC + lane] + base[HC + lane]);
+            if (outputs)
+                post[static_cast<size_t>(t0 + tok) * HC + lane] =
+                    2.f * sigmoid(scale[1] * vt[HC + lane] + base[HC + lane]);
         }
+        if (!outputs) continue;
         const float c0 = lane < HC * HC ? scale[2] * vt[2 * HC + lane] + base[2 * HC + lane] : 0.f;
         const float c = sinkhorn<HC>(c0, hc_eps, iters);
         if (lane < HC * HC) comb[static_cast<size_t>(t0 + tok) * HC * HC + lane] = c;
     }
     __syncthreads();
+}
+
+// Block input u [T, D], post [T, HC] and comb [T, HC, HC].
+template <typename T, int HC>
+__global__ void __launch_bounds__(kHcThreads) hc_pre(T* u, float* post, float* comb, const T* x, const float* fn,
+                                                     const float* base, const float* scale, int tokens, int dim,
+                                                     float eps, float hc_eps, int iters) {
+    constexpr int R = (2 + HC) * HC;
+    __shared__ float v[kHcMaxTok][R + 1];
+    __shared__ float pre[kHcMaxTok][HC];
+    const int t0 = blockIdx.x * blockDim.y * kHcTok, nb = min(blockDim.y * kHcTok, tokens - t0);
+    project<T, R>(x, fn, t0, nb, HC * dim, eps, v);
+    mix<HC, R>(v, pre, post, comb, base, scale, t0, nb, hc_eps, iters, true);
     combine<T, HC>(u, x, pre, t0, nb, dim);
+}
+
+// hc_pre for short batches, where one block per kHcTok tokens would read all of fn alone: a cluster of
+// kHcSplit blocks (blockDim.x = kHcThreads) takes NT tokens, each block one slice of the hc·D reduction.
+// The blocks exchange their slice sums through distributed shared memory and add them in rank order, so
+// all hold the same v; rank 0 then writes post and comb (the serial Sinkhorn) while the others combine u.
+template <typename T, int HC, int NT>
+__global__ void __cluster_dims__(kHcSplit, 1, 1) __launch_bounds__(kHcThreads)
+    hc_pre_split(T* u, float* post, float* comb, const T* x, const float* fn, const float* base, const float* scale,
+                 int tokens, int dim, float eps, float hc_eps, int iters) {
+    constexpr int R = (2 + HC) * HC, V = kVec<T>;
+    __shared__ float partial[kHcThreads / 32][NT][R + 1];
+    __shared__ float slice[NT][R + 1];
+    __shared__ float v[NT][R + 1];
+    __shared__ float pre[NT][HC];
+    const int rank = cluster_rank();
+    const int t0 = blockIdx.y * NT, nb = min(NT, tokens - t0), K = HC * dim;
+    const bool vec = K % V == 0 && aligned16(x) && aligned16(fn);
+    const int width = vec ? (K / V + kHcSplit - 1) / kHcSplit * V : (K + kHcSplit - 1) / kHcSplit;
+    const int k_end = min(K, (rank + 1) * width);
+    const T* xt = x + static_cast<size_t>(t0) * K;
+    float acc[NT][R] = {}, ss[NT] = {};
+    if (vec) {
+        for (int k = rank * width + threadIdx.x * V; k < k_end; k += kHcThreads * V)
+            project_chunk<T, R, V>(xt, fn, k, K, nb, acc, ss);
+    } else {
+        for (int k = rank * width + threadIdx.x; k < k_end; k += kHcThreads)
+            project_chunk<T, R, 1>(xt, fn, k, K, nb, acc, ss);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float s = warp_sum(acc[t][r]);
+            if (lane == 0) partial[warp][t][r] = s;
+        }
+        const float s = warp_sum(ss[t]);
+        if (lane == 0) partial[warp][t][R] = s;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < nb * (R + 1); i += kHcThreads) {
+        const int tok = i / (R + 1), r = i - tok * (R + 1);
+        float s = 0.f;
+        for (int w = 0; w < kHcThreads / 32; ++w) s += partial[w][tok][r];
+        slice[tok][r] = s;
+    }
+    cluster_sync();
+    for (int i = threadIdx.x; i < nb * (R + 1); i += kHcThreads) {
+        const int tok = i / (R + 1), r = i - tok * (R + 1);
+        float s = 0.f;
+        for (int q = 0; q < kHcSplit; ++q) s += cluster_load(&slice[tok][r], q);
+        v[tok][r] = s;
+    }
+    // No block may leave (its slice going with it) before every block has read it.
+    cluster_sync();
+    for (int i = threadIdx.x; i < nb * R; i += kHcThreads) {
+        const int tok = i / R, r = i - tok * R;
+        v[tok][r] *= rsqrtf(v[tok][R] / K + eps);
+    }
+    __syncthreads();
+    mix<HC, R>(v, pre, post, comb, base, scale, t0, nb, hc_eps, iters, rank == 0);
+    if (rank > 0) combine<T, HC>(u, x, pre, t0, nb, dim, rank - 1, kHcSplit - 1);
 }
 
 // Final head: y [T, D] = Σ_j (sigmoid(scale·v_j + base_j) + hc_eps) X_j.

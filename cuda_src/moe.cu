@@ -1,8 +1,9 @@
 // dsv4rt-instantiate: moe_route moe_sort swiglu<float> swiglu<__nv_bfloat16>
 // dsv4rt-instantiate: moe_combine<float> moe_combine<__nv_bfloat16>
-// dsv4rt-instantiate: moe_gemm<float,16,true> moe_gemm<float,16,false> moe_gemm<float,64,true> moe_gemm<float,64,false>
-// dsv4rt-instantiate: moe_gemm<__nv_bfloat16,16,true> moe_gemm<__nv_bfloat16,16,false>
+// dsv4rt-instantiate: moe_gemm<float,64,true> moe_gemm<float,64,false>
 // dsv4rt-instantiate: moe_gemm<__nv_bfloat16,64,true> moe_gemm<__nv_bfloat16,64,false>
+// dsv4rt-instantiate: moe_skinny<float,true> moe_skinny<float,false>
+// dsv4rt-instantiate: moe_skinny<__nv_bfloat16,true> moe_skinny<__nv_bfloat16,false>
 #include "common.cuh"
 
 // Mixture of experts (MODEL.md section 8) without host synchronisation: routing, a counting sort of
@@ -121,6 +122,16 @@ __global__ void __launch_bounds__(1024) moe_sort(int* offsets, int* tile_offsets
 
 constexpr int kTileN = 64, kTileK = 32, kGemmThreads = 256;
 
+// The expert of a row tile: the last one whose tiles start at or before it.
+__device__ __forceinline__ int tile_expert(const int* tile_offsets, int experts, int tile) {
+    int e = 0;
+    for (int hi = experts - 1; e < hi;) {
+        const int mid = (e + hi + 1) >> 1;
+        if (tile_offsets[mid] <= tile) e = mid; else hi = mid - 1;
+    }
+    return e;
+}
+
 // Loads of one k-tile, 16 bytes per vector, held in registers while the previous tile is computed.
 template <typename T, int ROWS>
 struct TileLoader {
@@ -170,11 +181,7 @@ __global__ void __launch_bounds__(kGemmThreads) moe_gemm(T* out, const T* a, con
     __shared__ float sb[GATED ? 2 : 1][kTileK * (kTileN + 1)];
     const int tile = blockIdx.y;
     if (tile >= tile_offsets[experts]) return;
-    int e = 0;
-    for (int hi = experts - 1; e < hi;) {  // the last expert whose tiles start at or before this one
-        const int mid = (e + hi + 1) >> 1;
-        if (tile_offsets[mid] <= tile) e = mid; else hi = mid - 1;
-    }
+    const int e = tile_expert(tile_offsets, experts, tile);
     const int row0 = offsets[e] + (tile - tile_offsets[e]) * BM, row_end = offsets[e + 1];
     const int col0 = blockIdx.x * kTileN;
 
@@ -243,6 +250,129 @@ __global__ void __launch_bounds__(kGemmThreads) moe_gemm(T* out, const T* a, con
             out[static_cast<size_t>(row) * n + col] = from_float<T>(v);
         }
     }
+}
+
+// The decode path of the grouped GEMM, for row tiles of at most kSkinnyRows rows: it streams each weight
+// row once per tile at close to memory bandwidth. A warp takes kSkinnyW weight rows (GATED: two columns of
+// w1 and w3, else four columns) over all of k, 16-byte loads that bypass L1; the tile's activation rows come
+// through L1, which every warp of the block reads alike; fp32 accumulation, warp-shuffle sums.
+constexpr int kSkinnyRows = 8, kSkinnyWarps = 4, kSkinnyW = 4, kSkinnySteps = 2;
+
+// 16 bytes of a weight row, read once: no L1 allocation, so the activations stay there.
+__device__ __forceinline__ uint4 load_stream(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+template <typename T>
+__device__ __forceinline__ void unpack(const uint4& raw, float (&v)[kVec<T>]) {
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < kVec<T>; ++i) v[i] = to_float(e[i]);
+}
+
+// One tile of RR ≥ rows rows against the warp's weight rows w: out[row0 + r, col0 + c] for r < rows. Row r of
+// the tile is a[(gather ? gather[row0 + r] / active : row0 + r)]; rows from `rows` to RR repeat a valid one and
+// are never stored. Weight columns past n likewise.
+template <typename T, int RR, bool GATED>
+__device__ __forceinline__ void skinny_tile(T* out, float* out_f32, const T* a, const int* gather, int active,
+                                            int row0, int rows, const T* const (&w)[kSkinnyW], int col0, int n, int k,
+                                            float limit) {
+    constexpr int V = kVec<T>, STEP = 32 * V, COLS = GATED ? kSkinnyW / 2 : kSkinnyW;
+    constexpr int STEPS = RR >= 8 ? 1 : kSkinnySteps;  // loads in flight, within the registers of 3 blocks an SM
+    const int lane = threadIdx.x & 31;
+    int arow[RR];  // element offsets into a (32 bits: decode-sized a, and registers for 8 rows)
+#pragma unroll
+    for (int r = 0; r < RR; ++r) {
+        const int row = row0 + min(r, rows - 1);
+        arow[r] = (gather ? gather[row] / active : row) * k;
+    }
+    float acc[RR][kSkinnyW] = {};
+    for (int k0 = lane * V; k0 < k; k0 += STEPS * STEP) {
+        uint4 wv[STEPS][kSkinnyW];
+#pragma unroll
+        for (int s = 0; s < STEPS; ++s)
+#pragma unroll
+            for (int c = 0; c < kSkinnyW; ++c)
+                wv[s][c] = k0 + s * STEP < k ? load_stream(w[c] + k0 + s * STEP) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int s = 0; s < STEPS; ++s) {
+            const int kk = k0 + s * STEP;
+            if (kk >= k) break;
+            float wf[kSkinnyW][V];
+#pragma unroll
+            for (int c = 0; c < kSkinnyW; ++c) unpack<T>(wv[s][c], wf[c]);
+#pragma unroll
+            for (int r = 0; r < RR; ++r) {
+                float xf[V];
+                unpack<T>(__ldg(reinterpret_cast<const uint4*>(a + arow[r] + kk)), xf);
+#pragma unroll
+                for (int c = 0; c < kSkinnyW; ++c)
+#pragma unroll
+                    for (int j = 0; j < V; ++j) acc[r][c] = fmaf(xf[j], wf[c][j], acc[r][c]);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < RR; ++r) {
+        if (r >= rows) break;
+        const size_t at = static_cast<size_t>(row0 + r) * n;
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) {
+            float v = warp_sum(acc[r][c]);
+            if constexpr (GATED) {
+                const float u = fminf(fmaxf(warp_sum(acc[r][c + COLS]), -limit), limit), g = fminf(v, limit);
+                v = g * sigmoid(g) * u;
+            }
+            if (lane != (r * COLS + c) % 32 || col0 + c >= n) continue;
+            if (out_f32) out_f32[at + col0 + c] = v;
+            else out[at + col0 + c] = from_float<T>(v);
+        }
+    }
+}
+
+// As moe_gemm with kSkinnyRows-row tiles (blockIdx.y < routed_tiles), blockIdx.x a run of
+// kSkinnyWarps · (kSkinnyW / (GATED ? 2 : 1)) columns. The shared expert rides along when shared_rows > 0:
+// tile routed_tiles + i holds its rows 8i.. of shared_a [shared_rows, k] against shared_first (and
+// shared_second), written to shared_out in T, or in fp32 when not GATED (its down projection, which the
+// combine adds in fp32). k must be a multiple of 8 and rows 16-byte aligned.
+template <typename T, bool GATED>
+__global__ void __launch_bounds__(32 * kSkinnyWarps, 3)
+    moe_skinny(T* out, const T* a, const int* perm, int active, const unsigned long long* w_first,
+               const unsigned long long* w_second, const int* offsets, const int* tile_offsets, int experts,
+               int routed_tiles, void* shared_out, const T* shared_a, const T* shared_first, const T* shared_second,
+               int shared_rows, int n, int k, float limit) {
+    constexpr int COLS = GATED ? kSkinnyW / 2 : kSkinnyW;
+    const int tile = blockIdx.y;
+    const bool shared = tile >= routed_tiles;
+    int row0, rows, e = 0;
+    if (shared) {
+        row0 = (tile - routed_tiles) * kSkinnyRows;
+        rows = min(kSkinnyRows, shared_rows - row0);
+        out = GATED ? static_cast<T*>(shared_out) : nullptr;
+        a = shared_a, perm = nullptr;
+    } else {
+        if (tile >= tile_offsets[experts]) return;
+        e = tile_expert(tile_offsets, experts, tile);
+        row0 = offsets[e] + (tile - tile_offsets[e]) * kSkinnyRows;
+        rows = min(kSkinnyRows, offsets[e + 1] - row0);
+    }
+    float* out_f32 = shared && !GATED ? static_cast<float*>(shared_out) : nullptr;
+    const int col0 = (blockIdx.x * kSkinnyWarps + (threadIdx.x >> 5)) * COLS;
+    const T* w[kSkinnyW];
+#pragma unroll
+    for (int c = 0; c < kSkinnyW; ++c) {
+        const bool second = GATED && c >= COLS;
+        const T* base = shared ? (second ? shared_second : shared_first)
+                               : reinterpret_cast<const T*>((second ? w_second : w_first)[e]);
+        w[c] = base + static_cast<size_t>(min(col0 + c % COLS, n - 1)) * k;
+    }
+    if (rows == 1) skinny_tile<T, 1, GATED>(out, out_f32, a, perm, active, row0, rows, w, col0, n, k, limit);
+    else if (rows == 2) skinny_tile<T, 2, GATED>(out, out_f32, a, perm, active, row0, rows, w, col0, n, k, limit);
+    else if (rows <= 4) skinny_tile<T, 4, GATED>(out, out_f32, a, perm, active, row0, rows, w, col0, n, k, limit);
+    else skinny_tile<T, kSkinnyRows, GATED>(out, out_f32, a, perm, active, row0, rows, w, col0, n, k, limit);
 }
 
 // The shared expert's activation: h = silu(min(g, L)) · clamp(u, −L, L) over `count` elements.

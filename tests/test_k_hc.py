@@ -10,10 +10,11 @@ pytestmark = pytest.mark.gpu
 BF16 = ml_dtypes.bfloat16
 EPS, HC_EPS, ITERS = 1e-6, 1e-6, 20
 # (tokens, hc, dim): Flash, tiny-a, odd dims (100: bf16 rows not 16-byte multiples; 101: scalar everywhere),
-# and batches long enough (4224 tokens and more on a 132-SM H200) for the shared-memory fn tiles of hc_pre/head.
+# decode batches (hc_pre's cluster-split kernel: one token a cluster up to 16 tokens, then 4), and batches
+# long enough (4224 tokens and more on a 132-SM H200) for the shared-memory fn tiles of hc_pre/head.
 SHAPES = [(1, 4, 4096), (7, 4, 4096), (300, 4, 4096), (1, 2, 64), (7, 2, 64), (300, 2, 64), (7, 4, 100),
-          (300, 2, 100), (7, 2, 101), (1, 4, 101), (1100, 4, 4096), (3000, 2, 64), (8192, 2, 64),
-          (4500, 4, 100), (4500, 2, 101)]
+          (300, 2, 100), (7, 2, 101), (1, 4, 101), (8, 4, 4096), (64, 4, 4096), (64, 2, 101), (33, 4, 100),
+          (1100, 4, 4096), (3000, 2, 64), (8192, 2, 64), (4500, 4, 100), (4500, 2, 101)]
 DTYPES = [np.float32, BF16]
 
 
@@ -70,6 +71,15 @@ def check_pre(got, ref, dtype):
 def test_pre_matches_reference(rt, dev, dtype, tokens, hc, dim):
     got, ref, _ = run_pre(rt, dev, dtype, tokens, hc, dim, ITERS, tokens * 31 + hc * dim)
     check_pre(got, ref, dtype)
+
+
+def test_pre_decode_batches_take_the_split_kernel(rt):
+    from dsv4rt.model import hc as k
+    cases = [(1, "hc_pre_split<__nv_bfloat16,4,1>"), (8, "hc_pre_split<__nv_bfloat16,4,1>"),
+             (64, "hc_pre_split<__nv_bfloat16,4,4>"), (4 * rt.device.sm_count + 1, "hc_pre<__nv_bfloat16,4>")]
+    for tokens, name in cases:
+        launch = k.pre(rt.device, BF16, 0, 0, 0, 0, 0, 0, 0, tokens, 4, 4096, EPS, HC_EPS, ITERS)
+        assert launch.kernel.name == name, (tokens, launch.kernel.name)
 
 
 @pytest.mark.parametrize("iters", [0, 1, 2, 5])

@@ -1,6 +1,6 @@
-"""MoE on the GPU against reference.moe.MoE: routing, the counting sort, grouped expert GEMMs, the
-shared expert and the combine; tiny-a sizes and Flash sizes (16 experts to keep memory small); hash
-and routed layers; graph replay."""
+"""MoE on the GPU against reference.moe.MoE: routing, the counting sort, grouped expert GEMMs (the skinny
+decode kernel and the 64-row tiled one), the shared expert and the combine; tiny-a sizes, odd sizes and
+Flash sizes (16 experts to keep memory small); hash and routed layers; graph replay."""
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -125,9 +125,10 @@ def run_and_compare(rt, blas, layer, dtype, tokens, hashed, seed, with_shared=Tr
     ref = ref_moe(x, ids)
     err = rel_rows(y, ref).max()
     assert err < (1e-5 if dtype == np.float32 else 1e-2), err
-    check_sort(moe, ref_moe.route(x, ids)[0], tokens * layer.active)
+    counts = check_sort(moe, ref_moe.route(x, ids)[0], tokens * layer.active)
     for b in (dx, dy, ws, dids):
         b.free()
+    return counts
 
 
 def check_sort(moe, ref_idx, pairs):
@@ -149,11 +150,20 @@ def check_sort(moe, ref_idx, pairs):
     perm, pos = read("perm", pairs), read("pos", pairs)
     assert np.array_equal(np.sort(perm), np.arange(pairs)) and np.array_equal(pos[perm], np.arange(pairs))
     assert np.all(np.diff(idx[perm]) >= 0)
+    return counts
 
 
 @pytest.fixture(scope="module")
 def tiny():
     layer = Layer(dim=64, inter=32, experts=8, active=2, limit=3.0)
+    yield layer
+    layer.free()
+
+
+@pytest.fixture(scope="module")
+def odd():
+    """Sizes that fill no tile or vector run evenly: k of 9 and 5 vectors, 40 and 72 columns."""
+    layer = Layer(dim=72, inter=40, experts=12, active=3, limit=4.0)
     yield layer
     layer.free()
 
@@ -173,13 +183,28 @@ def test_tiny(rt, blas, tiny, dtype, hashed, tokens):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, BF16])
-def test_without_shared_expert(rt, blas, tiny, dtype):
-    run_and_compare(rt, blas, tiny, dtype, 77, False, seed=77, with_shared=False)
+@pytest.mark.parametrize("tokens", [5, 77])
+def test_without_shared_expert(rt, blas, tiny, dtype, tokens):
+    run_and_compare(rt, blas, tiny, dtype, tokens, False, seed=tokens, with_shared=False)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, BF16])
 @pytest.mark.parametrize("hashed", [False, True], ids=["routed", "hash"])
-@pytest.mark.parametrize("tokens", [1, 8, 300])
+@pytest.mark.parametrize("tokens, skinny", [(1, True), (3, True), (8, True), (64, True), (100, False)])
+def test_odd_sizes(rt, blas, odd, dtype, hashed, tokens, skinny):
+    """Tiles of 1 to 8 rows, experts without rows (1 and 3 tokens) and experts of several tiles (64 tokens)."""
+    from dsv4rt.model.moe import MoeDims
+    assert MoeDims(tokens, odd.dim, odd.inter, odd.experts, odd.active, odd.inter).skinny == skinny
+    counts = run_and_compare(rt, blas, odd, dtype, tokens, hashed, seed=2000 + tokens)
+    if tokens <= 3:
+        assert (counts == 0).any()
+    if tokens == 64:
+        assert counts.max() > 8
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+@pytest.mark.parametrize("hashed", [False, True], ids=["routed", "hash"])
+@pytest.mark.parametrize("tokens", [1, 8, 40, 300])
 def test_flash(rt, blas, flash, dtype, hashed, tokens):
     run_and_compare(rt, blas, flash, dtype, tokens, hashed, seed=1000 + tokens)
 

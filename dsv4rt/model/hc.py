@@ -17,6 +17,7 @@ from dsv4rt.cuda.ops import storage_name
 HCS = (2, 4)    # the hc_mult values instantiated in hc.cu
 THREADS = 256   # kHcThreads
 TOK = 4         # kHcTok: tokens per thread group in hc_pre / hc_head
+SPLIT = 8       # kHcSplit: blocks of a cluster in hc_pre_split, each one slice of the hc·D reduction
 
 
 @functools.cache
@@ -24,11 +25,11 @@ def _names() -> tuple[str, ...]:
     return tuple(instantiations((source_dir() / "hc.cu").read_text()))
 
 
-def _kernel(device: Device, name: str, dtype, hc: int | None = None):
-    t = storage_name(dtype)
+def _kernel(device: Device, name: str, dtype, hc: int | None = None, tokens: int | None = None):
     if hc is not None and hc not in HCS:
         raise ValueError(f"no hyper-connection kernels for hc={hc} (built for {HCS})")
-    return device.kernel("hc", f"{name}<{t}>" if hc is None else f"{name}<{t},{hc}>", _names())
+    params = ",".join(str(p) for p in (storage_name(dtype), hc, tokens) if p is not None)
+    return device.kernel("hc", f"{name}<{params}>", _names())
 
 
 def _nothing(stream) -> None:
@@ -71,11 +72,16 @@ def pre(device: Device, dtype, u: int, post: int, comb: int, x: int, fn: int, ba
     fn [(2+hc)·hc, hc·D], base [(2+hc)·hc], scale [3]."""
     if tokens == 0:
         return _nothing
-    k = _kernel(device, "hc_pre", dtype, hc)
-    g = _groups(device, tokens)
     args = _p(u, post, comb, x, fn, base, scale) + [ctypes.c_int(tokens), ctypes.c_int(dim), ctypes.c_float(eps),
                                                     ctypes.c_float(hc_eps), ctypes.c_int(iters)]
-    return k.bind(-(-tokens // (g * TOK)), (THREADS // g, g), args)
+    if -(-tokens // TOK) <= device.sm_count:
+        # Decode: a block per TOK tokens would read all of fn (1.5 MB at Flash sizes) alone; a cluster of
+        # SPLIT blocks shares the reduction instead, one token per cluster while clusters of 8 SMs are
+        # spare, else TOK tokens (H200, bf16 Flash: 8 us for 1 or 8 tokens, 20 us for 64; 23-26 us before).
+        per = 1 if tokens * SPLIT <= device.sm_count else TOK
+        return _kernel(device, "hc_pre_split", dtype, hc, per).bind((SPLIT, -(-tokens // per)), THREADS, args)
+    g = _groups(device, tokens)
+    return _kernel(device, "hc_pre", dtype, hc).bind(-(-tokens // (g * TOK)), (THREADS // g, g), args)
 
 
 def head(device: Device, dtype, y: int, x: int, fn: int, base: int, scale: int, tokens: int, hc: int, dim: int,
