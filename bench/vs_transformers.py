@@ -73,10 +73,17 @@ def sync(device: str):
         torch.cuda.synchronize()
 
 
+def bf16_autocast(device: str):
+    """transformers 5.17 keeps the hyper-connection streams in float32 and then feeds them to bf16
+    Linear layers (a dtype error on the H200); autocast runs those matmuls in bf16."""
+    return torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=device.startswith("cuda"))
+
+
 @torch.inference_mode()
 def hf_logits(model, ids: np.ndarray, device: str) -> np.ndarray:
     x = torch.from_numpy(ids).to(device)[None]
-    return model(input_ids=x, use_cache=False).logits[0].float().cpu().numpy()
+    with bf16_autocast(device):
+        return model(input_ids=x, use_cache=False).logits[0].float().cpu().numpy()
 
 
 @torch.inference_mode()
@@ -86,6 +93,11 @@ def hf_decode_ms(model, prompt: np.ndarray, steps: int, device: str) -> float:
     kw = cache_kwarg(model)
     cache = DynamicCache(config=model.config)
     x = torch.from_numpy(prompt).to(device)[None]
+    with bf16_autocast(device):
+        return _timed_steps(model, x, cache, kw, steps, device)
+
+
+def _timed_steps(model, x, cache, kw: str, steps: int, device: str) -> float:
     for a in range(0, x.shape[1], PREFILL_CHUNK):
         logits = model(input_ids=x[:, a:a + PREFILL_CHUNK], use_cache=True, logits_to_keep=1, **{kw: cache}).logits
     tok = logits[:, -1].argmax(-1, keepdim=True)
