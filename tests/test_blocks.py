@@ -162,3 +162,19 @@ def test_random_schedules_keep_tables_and_allocator_in_step(schedule):
         if r in m:
             m.release(r)
     assert used(m) == [0, 0, 0] and m.allocator.free_slabs == 40
+
+
+@pytest.mark.parametrize("numerics", ["exact", "faithful"])
+@pytest.mark.parametrize("config", ["configs/deepseek-v4-flash.json", "real-ratios/config.json"])
+def test_decode_steps_that_reuse_pages_hold_exactly_what_the_step_needs(config, numerics):
+    """place() skips recomputing a kind's columns until its next possible change; the pages held must
+    still be CacheKind.columns of every step, through decode runs broken by chunks of every size."""
+    cfg = from_dict(json.loads((FIXTURES / config).read_text()))
+    m = manager(cfg, 4096, numerics=numerics)
+    rng, L = np.random.default_rng(0), 0
+    for _ in range(3000):
+        n = 1 if rng.random() < 0.93 else int(rng.integers(2, 300))
+        m.place("r", L + n)
+        for k, pages in zip(m.plan.kinds, m._requests["r"].kinds):
+            assert pages.held == k.columns(L, L + n), (k.name, L, n)
+        L += n

@@ -104,12 +104,13 @@ class Scheduler:
             if n is None:
                 i += 1
                 continue
-            while not self.blocks.can_place(r.id, r.computed + n) and self.running[-1] is not r:
+            placed = self.blocks.try_place(r.id, r.computed + n)
+            while not placed and self.running[-1] is not r:
                 self._preempt(self.running[-1])
-            if not self.blocks.can_place(r.id, r.computed + n):
+                placed = self.blocks.try_place(r.id, r.computed + n)
+            if not placed:
                 self._preempt(r)          # it is the last one: nothing after it to claim
                 break
-            self.blocks.place(r.id, r.computed + n)
             step.append((r, n))
             i += 1
         return step

@@ -14,7 +14,7 @@ from typing import Hashable
 
 import numpy as np
 
-from .plan import KVPlan
+from .plan import CacheKind, KVPlan
 from .slab import SlabAllocator
 
 Ranges = list[tuple[int, int]]
@@ -46,10 +46,11 @@ class _Pages:
 
 
 class _Request:
-    __slots__ = ("length", "kinds", "version")
+    __slots__ = ("length", "kinds", "version", "steady")
 
     def __init__(self, plan: KVPlan):
         self.length, self.version = 0, -1
+        self.steady = [0] * len(plan.kinds)   # per kind: one-token steps from lengths below need the pages held
         self.kinds = [_Pages(len(k.layers)) for k in plan.kinds]
 
 
@@ -87,24 +88,37 @@ class BlockManager:
 
     def place(self, request: Hashable, new_len: int) -> None:
         """Hold what the step computing positions [length, new_len) needs; all or nothing (OutOfPages)."""
+        if not self.try_place(request, new_len):
+            raise OutOfPages(f"request {request!r}: no room for positions up to {new_len}")
+
+    def try_place(self, request: Hashable, new_len: int) -> bool:
+        """place(), or False with nothing changed when the pages are lacking."""
         req = self._requests.get(request) or _Request(self.plan)
         needs = self._needs(req, new_len)
-        if not self.allocator.can_alloc(self._net_pages(req, needs)):
-            raise OutOfPages(f"request {request!r}: no room for positions up to {new_len}")
-        for pages, need in zip(req.kinds, needs):
-            if need != pages.held:
-                for start, stop in _minus(pages.held, need):
+        moved = [i for i, (need, pages) in enumerate(zip(needs, req.kinds)) if need is not pages.held and need != pages.held]
+        if moved:
+            if not self.allocator.can_alloc(self._net_pages(req, needs)):
+                return False
+            for i in moved:
+                pages = req.kinds[i]
+                for start, stop in _minus(pages.held, needs[i]):
                     self._give_back(pages, start, stop)
-        changed = False
-        for i, (pages, need) in enumerate(zip(req.kinds, needs)):
-            if need != pages.held:
-                self._take(i, pages, need)
-                changed = True
-        if changed or req.version < 0:
+            for i in moved:
+                self._take(i, req.kinds[i], needs[i])
+        if moved or req.version < 0:
             self._changes += 1
             req.version = self._changes
+        L = req.length
+        if new_len == L + 1:
+            steady = req.steady
+            for i, k in enumerate(self.plan.kinds):
+                if L >= steady[i]:
+                    steady[i] = _steady_until(k, L)
+        else:
+            req.steady = [0] * len(req.steady)
         req.length = new_len
         self._requests[request] = req
+        return True
 
     def release(self, request: Hashable) -> None:
         """Free everything the request holds (it finished or was aborted)."""
@@ -129,12 +143,19 @@ class BlockManager:
         return _width(self._requests[request].kinds[self._kind_index[kind]].held)
 
     def _needs(self, req: _Request, new_len: int) -> list[Ranges]:
-        if new_len < req.length:
-            raise ValueError(f"new length {new_len} is below the current {req.length}")
-        return [k.columns(req.length, new_len) for k in self.plan.kinds]
+        """What each kind needs for the step; a decode step keeps a kind's pages without recomputing them
+        until that kind's next change (most steps of most kinds: this is host time per token)."""
+        L = req.length
+        if new_len < L:
+            raise ValueError(f"new length {new_len} is below the current {L}")
+        one = new_len == L + 1
+        return [pages.held if one and L < until else k.columns(L, new_len)
+                for k, pages, until in zip(self.plan.kinds, req.kinds, req.steady)]
 
     def _net_pages(self, req: _Request, needs: list[Ranges]) -> list[int]:
         counts = [0, 0, 0]
+        if all(need is pages.held for need, pages in zip(needs, req.kinds)):
+            return counts
         for k, pages, need in zip(self.plan.kinds, req.kinds, needs):
             if need != pages.held:
                 columns = _width(_minus(need, pages.held)) - _width(_minus(pages.held, need))
@@ -180,3 +201,28 @@ def _minus(a: Ranges, b: Ranges) -> Ranges:
 
 def _width(ranges: Ranges) -> int:
     return sum(stop - start for start, stop in ranges)
+
+def _steady_until(k: CacheKind, L: int) -> int:
+    """The first length above L whose one-token step may need other columns of kind k than (L, L+1).
+
+    CacheKind.columns(L, L+1) is a function of ceil((L+1)/P) for kinds that keep every page, and for
+    sliding kinds also of floor(keep_from(L)/P), ceil(L/P) and floor(max(L, keep_from(L+1))/P), all
+    non-decreasing in L, and of whether its read and write ranges are empty, which changes only at
+    multiples of the stride s when s >= width. Each term's next change is computed in closed form."""
+    P = k.positions_per_page
+    until = [_up(P, L + 1)]                                       # ceil((L+1)/P) moves
+    if k.width:
+        s, w = k.stride, k.width
+        first_length = lambda target: _up(s, target - s + w)     # least L' with keep_from(L') >= target
+        until.append(_up(P, L) + 1)                               # ceil(L/P) moves
+        until.append(first_length((k.keep_from(L) // P + 1) * P))
+        target = (max(L, k.keep_from(L + 1)) // P + 1) * P
+        until.append(min(target, first_length(target) - 1))
+        if s >= w:
+            until += [_up(s, L + 1), _up(s, L + 2) - 1]
+    return max(L + 1, min(until))
+
+
+def _up(a: int, x: int) -> int:
+    """The first multiple of a at or above x."""
+    return -(-x // a) * a
