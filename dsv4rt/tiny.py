@@ -1,6 +1,7 @@
 """Random small DeepSeek V4 checkpoints in the official names and dtypes, with the V4 tokenizer."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 import json
 import os
 import re
@@ -106,8 +107,14 @@ def write_random_checkpoint(out: str | Path, raw: dict, seed: int = 0, tokenizer
     if out.exists():
         raise ValueError(f"{out} already exists; choose a new folder")
     cfg = from_dict(raw)
-    rng = np.random.default_rng(seed)
-    tensors = {n: _random(n, s, rng, cfg.n_experts) for n, s in expected_shapes(cfg).items()}
+    shapes = expected_shapes(cfg)
+    # one stream per tensor, drawn on every core (numpy's generators and casts release the GIL):
+    # flash-slice has 8.4 billion weights
+    streams = np.random.SeedSequence(seed).spawn(len(shapes))
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        drawn = pool.map(lambda item: _random(*item[0], np.random.default_rng(item[1]), cfg.n_experts),
+                         zip(shapes.items(), streams))
+        tensors = dict(zip(shapes, drawn))
     if fmt == "official":
         raw = dict(raw, quantization_config=QUANTIZATION_CONFIG, expert_dtype="fp4")
     out.parent.mkdir(parents=True, exist_ok=True)
