@@ -149,6 +149,22 @@ __device__ __forceinline__ void project_tiled(const T* x, const float* fn, int K
     }
 }
 
+// Each token's R projection sums and its sum of squares, reduced over the warp into out[t][0..R] by lane 0.
+template <int NT, int R>
+__device__ __forceinline__ void store_warp_sums(float (*out)[R + 1], const float (&acc)[NT][R], const float (&ss)[NT]) {
+    const bool lane0 = (threadIdx.x & 31) == 0;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float s = warp_sum(acc[t][r]);
+            if (lane0) out[t][r] = s;
+        }
+        const float s = warp_sum(ss[t]);
+        if (lane0) out[t][R] = s;
+    }
+}
+
 // v[i][r] = n_i · (fn_r · x̂_i) for the block's tokens i < nb (starting at token t0), with
 // n_i = rsqrt(mean(x̂_i²) + eps) over the flattened K = HC·D values. Ends with a barrier.
 template <typename T, int R>
@@ -167,17 +183,7 @@ __device__ __forceinline__ void project(const T* x, const float* fn, int t0, int
     } else if (ntok > 0) {
         for (int k = threadIdx.x; k < K; k += lanes) project_chunk<T, R, 1>(xg, fn, k, K, ntok, acc, ss);
     }
-    const int lane = threadIdx.x & 31, warp = (group * lanes + threadIdx.x) >> 5;
-#pragma unroll
-    for (int t = 0; t < kHcTok; ++t) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const float s = warp_sum(acc[t][r]);
-            if (lane == 0) partial[warp][t][r] = s;
-        }
-        const float s = warp_sum(ss[t]);
-        if (lane == 0) partial[warp][t][R] = s;
-    }
+    store_warp_sums<kHcTok, R>(partial[(group * lanes + threadIdx.x) >> 5], acc, ss);
     __syncthreads();
     const int tid = group * lanes + threadIdx.x, warps = lanes >> 5;
     for (int i = tid; i < nb * (R + 1); i += kHcThreads) {
@@ -320,17 +326,7 @@ __global__ void __cluster_dims__(kHcSplit, 1, 1) __launch_bounds__(kHcThreads)
         for (int k = rank * width + threadIdx.x; k < k_end; k += kHcThreads)
             project_chunk<T, R, 1>(xt, fn, k, K, nb, acc, ss);
     }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const float s = warp_sum(acc[t][r]);
-            if (lane == 0) partial[warp][t][r] = s;
-        }
-        const float s = warp_sum(ss[t]);
-        if (lane == 0) partial[warp][t][R] = s;
-    }
+    store_warp_sums<NT, R>(partial[threadIdx.x >> 5], acc, ss);
     __syncthreads();
     for (int i = threadIdx.x; i < nb * (R + 1); i += kHcThreads) {
         const int tok = i / (R + 1), r = i - tok * (R + 1);

