@@ -304,3 +304,12 @@ def test_generate_command(tiny, tmp_path):
     assert raw.returncode == 0 and raw.stdout.startswith("--- 0 (")
     missing = run_cli(tiny, "--prompts", tmp_path / "none.txt")
     assert missing.returncode == 1 and missing.stderr.startswith("error:") and len(missing.stderr.splitlines()) == 1
+
+
+def test_the_package_exports_the_serving_api(tiny):
+    import dsv4rt
+    e = dsv4rt.Engine(tiny)
+    (out,) = e.generate([[5, 6, 7]], dsv4rt.SamplingParams(temperature=0, max_new_tokens=3))
+    assert len(out.token_ids) <= 3 and out.finish_reason in ("stop", "length")
+    with pytest.raises(AttributeError):
+        dsv4rt.NoSuchThing
