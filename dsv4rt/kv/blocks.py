@@ -46,11 +46,12 @@ class _Pages:
 
 
 class _Request:
-    __slots__ = ("length", "kinds", "version", "steady")
+    __slots__ = ("length", "kinds", "version", "steady", "all_steady")
 
     def __init__(self, plan: KVPlan):
         self.length, self.version = 0, -1
         self.steady = [0] * len(plan.kinds)   # per kind: one-token steps from lengths below need the pages held
+        self.all_steady = 0                   # min(steady): below it a one-token step changes nothing
         self.kinds = [_Pages(len(k.layers)) for k in plan.kinds]
 
 
@@ -84,6 +85,8 @@ class BlockManager:
     def can_place(self, request: Hashable, new_len: int) -> bool:
         """Whether place(request, new_len) would succeed now: the pages it needs net of those it gives back."""
         req = self._requests.get(request) or _Request(self.plan)
+        if new_len == req.length + 1 and req.length < req.all_steady:
+            return True
         return self.allocator.can_alloc(self._net_pages(req, self._needs(req, new_len)))
 
     def place(self, request: Hashable, new_len: int) -> None:
@@ -94,6 +97,9 @@ class BlockManager:
     def try_place(self, request: Hashable, new_len: int) -> bool:
         """place(), or False with nothing changed when the pages are lacking."""
         req = self._requests.get(request) or _Request(self.plan)
+        if new_len == req.length + 1 and req.length < req.all_steady:
+            req.length = new_len
+            return True
         needs = self._needs(req, new_len)
         moved = [i for i, (need, pages) in enumerate(zip(needs, req.kinds)) if need is not pages.held and need != pages.held]
         if moved:
@@ -116,6 +122,7 @@ class BlockManager:
                     steady[i] = _steady_until(k, L)
         else:
             req.steady = [0] * len(req.steady)
+        req.all_steady = min(req.steady)
         req.length = new_len
         self._requests[request] = req
         return True
