@@ -178,3 +178,51 @@ def test_decode_steps_that_reuse_pages_hold_exactly_what_the_step_needs(config, 
         for k, pages in zip(m.plan.kinds, m._requests["r"].kinds):
             assert pages.held == k.columns(L, L + n), (k.name, L, n)
         L += n
+
+
+class HostArena:
+    """Stands in for the device arena: buffers are host bytes, copies are immediate."""
+
+    class Buffer:
+        def __init__(self, nbytes):
+            self.bytes, self.ptr, self.nbytes = np.zeros(nbytes, np.uint8), 0, nbytes
+
+        def copy_from_host(self, host, stream=None, offset=0):
+            src = np.ascontiguousarray(host).view(np.uint8).ravel()
+            self.bytes[offset:offset + len(src)] = src
+
+    def alloc(self, nbytes, what=""):
+        return self.Buffer(nbytes)
+
+
+def test_page_tables_rewritten_by_moved_kinds_equal_tables_written_whole():
+    """The device page tables, refreshed kind by kind as requests grow, are released and take other
+    slots, hold exactly each slot's page offsets from the block manager."""
+    from dsv4rt.model.tables import PageTables
+    m = manager(TINY, 64, slab_bytes=64 << 10)
+    max_len, slots = 3000, 3
+    tables = PageTables(HostArena(), m.plan, m.allocator, max_len, slots)
+    rng, lengths, owner, next_id, released = np.random.default_rng(2), {}, [None] * slots, 0, 0
+    for _ in range(1500):
+        slot = int(rng.integers(slots))
+        r = owner[slot]
+        if r is None or lengths[r] >= max_len - 200 or rng.random() < 0.01:
+            if r is not None:
+                m.release(r)
+                tables.forget(slot)
+                released += 1
+            r, next_id = next_id, next_id + 1
+            owner[slot], lengths[r] = r, 0
+        n = 1 if rng.random() < 0.9 else int(rng.integers(2, 128))
+        lengths[r] += n
+        m.place(r, lengths[r])
+        tables.refresh(slot, m, r, None)
+        device = tables.device.bytes.view(np.int64).reshape(slots, -1)
+        for s, owned in enumerate(owner):
+            expect = np.full(tables.slot_cols, -1, np.int64)
+            if owned is not None:
+                for (kind, layer), (at, cols, k) in tables.at.items():
+                    ids = m.table(owned, kind, layer)[:cols]
+                    expect[at:at + len(ids)] = m.allocator.offsets(ids, k.size_class)
+            assert np.array_equal(device[s], expect), (s, owned)
+    assert released >= 6

@@ -25,11 +25,12 @@ class OutOfPages(RuntimeError):
 
 
 class _Pages:
-    """One request's pages of one kind: array[row, c - base] is layer row's page of column c, or -1."""
-    __slots__ = ("base", "array", "held", "end")
+    """One request's pages of one kind: array[row, c - base] is layer row's page of column c, or -1.
+    `version` changes whenever they do."""
+    __slots__ = ("base", "array", "held", "end", "version")
 
     def __init__(self, layers: int):
-        self.base, self.end = 0, 0
+        self.base, self.end, self.version = 0, 0, -1
         self.array = np.full((layers, 4), -1, np.int32)
         self.held: Ranges = []
 
@@ -101,7 +102,7 @@ class BlockManager:
             req.length = new_len
             return True
         needs = self._needs(req, new_len)
-        moved = [i for i, (need, pages) in enumerate(zip(needs, req.kinds)) if need is not pages.held and need != pages.held]
+        moved = [i for i, (need, pages) in enumerate(zip(needs, req.kinds)) if need != pages.held]
         if moved:
             if not self.allocator.can_alloc(self._net_pages(req, needs)):
                 return False
@@ -114,6 +115,8 @@ class BlockManager:
         if moved or req.version < 0:
             self._changes += 1
             req.version = self._changes
+            for i in moved:
+                req.kinds[i].version = self._changes
         L = req.length
         if new_len == L + 1:
             steady = req.steady
@@ -145,6 +148,12 @@ class BlockManager:
         out[pages.base:stop] = pages.array[row, :stop - pages.base]
         return out
 
+    def pages(self, request: Hashable, kind: str) -> tuple[int, int, np.ndarray]:
+        """(version, base, array): the request's pages of `kind`, array[row, c - base] for layer row (the
+        kind's layers in order) and column c, −1 where none is held; a view, valid until the next place()."""
+        p = self._requests[request].kinds[self._kind_index[kind]]
+        return p.version, p.base, p.array
+
     def held_columns(self, request: Hashable, kind: str) -> int:
         """Columns (pages per layer) the request holds of `kind`."""
         return _width(self._requests[request].kinds[self._kind_index[kind]].held)
@@ -161,8 +170,6 @@ class BlockManager:
 
     def _net_pages(self, req: _Request, needs: list[Ranges]) -> list[int]:
         counts = [0, 0, 0]
-        if all(need is pages.held for need, pages in zip(needs, req.kinds)):
-            return counts
         for k, pages, need in zip(self.plan.kinds, req.kinds, needs):
             if need != pages.held:
                 columns = _width(_minus(need, pages.held)) - _width(_minus(pages.held, need))
@@ -208,6 +215,7 @@ def _minus(a: Ranges, b: Ranges) -> Ranges:
 
 def _width(ranges: Ranges) -> int:
     return sum(stop - start for start, stop in ranges)
+
 
 def _steady_until(k: CacheKind, L: int) -> int:
     """The first length above L whose one-token step may need other columns of kind k than (L, L+1).
