@@ -39,37 +39,34 @@ def tiny_model(tmp_path_factory) -> Path:
     return out
 
 
+def logits_of(tmp_path, ids: np.ndarray, *flags) -> np.ndarray:
+    """What `dsv4rt logits` on tiny-a writes for `ids` with the given flags."""
+    np.save(tmp_path / "ids.npy", ids)
+    r = dsv4rt("logits", TINY_A, "--ids", tmp_path / "ids.npy", "--out", tmp_path / "o.npy", *flags)
+    assert r.returncode == 0, r.stderr
+    return np.load(tmp_path / "o.npy")
+
+
 def test_logits_full_and_chunked_match_golden(tmp_path):
     g = np.load(TINY_A / "golden.npz")
-    np.save(tmp_path / "ids.npy", g["input_ids"])
-    r = dsv4rt("logits", TINY_A, "--ids", tmp_path / "ids.npy", "--out", tmp_path / "full.npy", "--device", "cpu")
-    assert r.returncode == 0, r.stderr
-    assert rel_rows(np.load(tmp_path / "full.npy"), g["logits_full"]).max() < 1e-5
-    chunks = ",".join(map(str, g["chunks"]))
-    r = dsv4rt("logits", TINY_A, "--ids", tmp_path / "ids.npy", "--out", tmp_path / "ch.npy", "--chunks", chunks)
-    assert r.returncode == 0, r.stderr
-    out = np.load(tmp_path / "ch.npy")
+    assert rel_rows(logits_of(tmp_path, g["input_ids"], "--device", "cpu"), g["logits_full"]).max() < 1e-5
+    out = logits_of(tmp_path, g["input_ids"], "--chunks", ",".join(map(str, g["chunks"])))
     assert out.dtype == np.float32 and out.shape == g["logits_chunked"].shape
     assert rel_rows(out, g["logits_chunked"]).max() < 1e-5
 
 
 def test_logits_faithful(tmp_path):
     f = np.load(TINY_A / "faithful_fp32.npz")
-    np.save(tmp_path / "ids.npy", f["input_ids"])
-    r = dsv4rt("logits", TINY_A, "--ids", tmp_path / "ids.npy", "--out", tmp_path / "o.npy", "--numerics", "faithful")
-    assert r.returncode == 0, r.stderr
-    assert rel_rows(np.load(tmp_path / "o.npy"), f["logits_full"]).max() < 1e-4
+    assert rel_rows(logits_of(tmp_path, f["input_ids"], "--numerics", "faithful"), f["logits_full"]).max() < 1e-4
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("storage, tol", [("float32", 1e-4), ("bf16", None)])
 def test_logits_on_the_gpu(tmp_path, storage, tol):
     g = np.load(TINY_A / "golden.npz")
-    np.save(tmp_path / "ids.npy", g["input_ids"])
-    r = dsv4rt("logits", TINY_A, "--ids", tmp_path / "ids.npy", "--out", tmp_path / "o.npy", "--device", "cuda",
-               "--chunks", ",".join(map(str, g["chunks"])), "--storage", storage)
-    assert r.returncode == 0, r.stderr
-    err = rel_rows(np.load(tmp_path / "o.npy"), g["logits_chunked"])
+    out = logits_of(tmp_path, g["input_ids"], "--device", "cuda", "--chunks", ",".join(map(str, g["chunks"])),
+                    "--storage", storage)
+    err = rel_rows(out, g["logits_chunked"])
     assert err.max() < tol if tol else np.median(err) < 3e-2
 
 

@@ -70,7 +70,8 @@ def generate(model, prompts_path, max_new_tokens, temperature, seed, chat, as_js
 
 def _hbm(engine, seconds: float) -> str:
     """Achieved HBM bandwidth: the bytes each step had to read (dsv4rt.model.roofline) over the run's time."""
-    if not hasattr(engine.runner, "model") or not hasattr(engine.runner.model, "w"):
+    from ..engine.gpu_runner import GpuRunner
+    if not isinstance(engine.runner, GpuRunner):
         return ""
     from ..model.roofline import decode_bytes
     m = engine.runner.model

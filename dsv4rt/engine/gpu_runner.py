@@ -90,19 +90,20 @@ class GpuRunner:
     def snapshot(self, request_id: Hashable) -> Snapshot | None:
         """A copy of the pages the request holds now; None when the arena has no room for it."""
         m = self.model
-        pages, total = [], 0
+        pages, sources, total = [], [], 0
         for (kind, layer), (_, _, k) in m.tables.at.items():
             for col, page in enumerate(m.blocks.table(request_id, kind, layer)):
                 if page >= 0:
-                    pages.append((kind, layer, col, total, k.page_bytes, int(page)))
+                    pages.append((kind, layer, col, total, k.page_bytes))
+                    sources.append(m.allocator.offset(int(page)))
                     total += -(-k.page_bytes // 256) * 256
         try:
             buffer = m.rt.arena.alloc(max(total, 256), "prefix snapshot")
         except OutOfArena:
             return None
-        for kind, layer, col, at, nbytes, page in pages:
-            self._copy(buffer.ptr + at, m.kv.ptr + m.allocator.offset(page), nbytes)
-        return Snapshot(buffer, [p[:5] for p in pages])
+        for (_, _, _, at, nbytes), source in zip(pages, sources):
+            self._copy(buffer.ptr + at, m.kv.ptr + source, nbytes)
+        return Snapshot(buffer, pages)
 
     def restore(self, request_id: Hashable, snapshot: Snapshot) -> None:
         """Copy a snapshot into the pages the request holds (those it lacks, it does not read)."""

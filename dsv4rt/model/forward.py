@@ -131,18 +131,23 @@ class GpuModel:
         if self.length + len(ids) > self.max_len:
             raise ValueError(f"{self.length + len(ids)} positions exceed this model's max_len {self.max_len}")
         out = []
+        for entry, last in self._steps(ids):
+            if not last_only or last:
+                out.append(self.run([entry], every_row=not last_only))
+            else:
+                self.upload([entry], every_row=False)
+                self.launch(len(entry.ids), 1, False)
+        return np.concatenate(out) if out else np.zeros((0, self.cfg.vocab_size), np.float32)
+
+    def _steps(self, ids: np.ndarray):
+        """Slot 0's steps over `ids`, each placed and its tables refreshed: (entry, whether last); the
+        length advances when the caller asks for the next one."""
         for a in range(0, len(ids), self.max_chunk):
             chunk = ids[a:a + self.max_chunk]
             self.blocks.place(0, self.length + len(chunk))
             self.tables.refresh(0, self.blocks, 0, self.rt.stream)
-            last = last_only and a + self.max_chunk >= len(ids)
-            if not last_only or last:
-                out.append(self.run([Entry(0, chunk, self.length)], every_row=not last))
-            else:
-                self.upload([Entry(0, chunk, self.length)], every_row=False)
-                self.launch(len(chunk), 1, False)
+            yield Entry(0, chunk, self.length), a + self.max_chunk >= len(ids)
             self.length += len(chunk)
-        return np.concatenate(out) if out else np.zeros((0, self.cfg.vocab_size), np.float32)
 
     def reset(self):
         if self.length:
@@ -156,15 +161,11 @@ class GpuModel:
         self.reset()
         ids = np.asarray(ids, np.int64).reshape(-1)
         out = []
-        for a in range(0, len(ids), self.max_chunk):
-            chunk = ids[a:a + self.max_chunk]
-            self.blocks.place(0, self.length + len(chunk))
-            self.tables.refresh(0, self.blocks, 0, self.rt.stream)
-            self.upload([Entry(0, chunk, self.length)])
-            x = np.ascontiguousarray(streams[a:a + len(chunk)]).astype(self.dtype)
+        for entry, _ in self._steps(ids):
+            T = self.upload([entry])
+            x = np.ascontiguousarray(streams[entry.start:entry.start + T]).astype(self.dtype)
             self.ws.buffer.copy_from_host(x, self.rt.stream, offset=self.ws["X"] - self.ws.buffer.ptr)
-            self.layer(i, len(chunk))
-            self.length += len(chunk)
+            self.layer(i, T)
             out.append(self.read("X", x.shape, self.dtype).astype(np.float32))
         self.reset()
         return np.concatenate(out)
