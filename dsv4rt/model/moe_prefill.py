@@ -3,8 +3,8 @@ dsv4rt/reference/moe.py). Gate GEMM → routing → counting sort as in moe.py; 
 row offsets back (one synchronisation per call: prefill steps only, never inside a CUDA graph), the routed rows
 are gathered into expert order, and the experts' contiguous rows go through cuBLAS: g = x_e·w1ᵀ, u = x_e·w3ᵀ
 (fp32), the clamped SwiGLU over all rows at once, out_e = h_e·w2ᵀ, one batched GEMM per matrix for all experts
-of equal row count (a handful of calls; ctypes alone takes ~4 us of host time a call); shared
-expert and weighted combine as in moe.py."""
+of equal row count (a handful of calls: ctypes alone takes ~4 us of host time a call); shared expert and
+weighted combine as in moe.py."""
 from __future__ import annotations
 
 import ctypes
