@@ -19,7 +19,7 @@ from dsv4rt.cuda import ops
 from dsv4rt.cuda.device import Event, Graph
 from dsv4rt.cuda.driver import check, drv
 from dsv4rt.cuda.runtime import Runtime
-from dsv4rt.model import attention as attn_k, compress as comp_k, hc as hc_k
+from dsv4rt.model import attention as attn_k, compress as comp_k, fp8 as fp8_k, hc as hc_k
 from dsv4rt.model.gemm import Blas, grouped_linear, linear
 from dsv4rt.model.moe import ExpertWeights, MoE, MoeDims, pointer_table, workspace_bytes
 from dsv4rt.model.paged import PagedCache
@@ -132,6 +132,20 @@ def per_batch(b: Bench, blas: Blas, B: int):
     o, wo, t = b.buf(B * H * HD * T), b.buf(G * OL * (H * HD // G) * T), b.buf(B * G * OL * T, fill=False)
     b.record("gemm wo_a grouped 8x4096>1024", B, 0, grouped_linear(blas, BF16, o.ptr, wo.ptr, t.ptr, B, G, OL, H * HD // G),
              (o.nbytes + wo.nbytes + t.nbytes), 2 * B * G * OL * (H * HD // G))
+    # Faithful fp8 linears: the activation quantiser, then the GEMM on e4m3 weight bytes (random bytes: the
+    # time does not depend on the values) with e8m0 tile scales. B > 16 reads the weight once per 16 rows.
+    fp8s = [("fp8 wq_a 4096>1024", D, QL), ("fp8 wq_b 1024>32768", QL, H * HD), ("fp8 wkv 4096>512", D, HD),
+            ("fp8 wo_b 8192>4096", G * OL, D)]
+    for name, k, n in filter(lambda g: b.wants(g[0]), fp8s):
+        kb = -(-k // 128)
+        xa, xq, xs = b.buf(B * k * T), b.buf(B * k, fill=False), b.buf(B * kb, fill=False)
+        wq, ws, ya = b.buf(n * k), b.host(np.full((-(-n // 128), kb), 120, np.uint8)), b.buf(B * n * T, fill=False)
+        b.record(f"{name} act_quant", B, 0, fp8_k.act_quant(b.dev, BF16, xq.ptr, xs.ptr, xa.ptr, B, k),
+                 B * (k * T + k + kb))
+        b.record(name, B, 0, fp8_k.skinny_gemm(b.dev, BF16, ya.ptr, xq.ptr, xs.ptr, wq.ptr, ws.ptr, B, n, k),
+                 n * k + ws.nbytes + B * (k + kb + n * T), 2 * B * n * k)
+        for z in (xa, xq, xs, ya, wq, ws):
+            z.free()
     if b.wants("moe"):
         moe(b, blas, B)
     logits = b.buf(B * V * 4)

@@ -1,5 +1,6 @@
 // dsv4rt-instantiate: moe_route moe_sort swiglu<float> swiglu<__nv_bfloat16>
 // dsv4rt-instantiate: moe_combine<float> moe_combine<__nv_bfloat16>
+// dsv4rt-instantiate: moe_gather<float> moe_gather<__nv_bfloat16>
 // dsv4rt-instantiate: moe_gemm<float,64,true> moe_gemm<float,64,false>
 // dsv4rt-instantiate: moe_gemm<__nv_bfloat16,64,true> moe_gemm<__nv_bfloat16,64,false>
 // dsv4rt-instantiate: moe_skinny<float,true> moe_skinny<float,false>
@@ -383,6 +384,16 @@ __global__ void __launch_bounds__(256) swiglu(T* h, const float* g, const float*
         const float gi = fminf(g[i], limit), ui = fminf(fmaxf(u[i], -limit), limit);
         h[i] = from_float<T>(gi * sigmoid(gi) * ui);
     }
+}
+
+// The routed rows in expert order, for cuBLAS (dsv4rt/model/moe_prefill.py): out[row] = a[perm[row] / active],
+// one block per row, 16-byte vectors along dim (a multiple of 8).
+template <typename T>
+__global__ void __launch_bounds__(256) moe_gather(T* out, const T* a, const int* perm, int active, int dim) {
+    const size_t row = blockIdx.x;
+    const uint4* src = reinterpret_cast<const uint4*>(a + static_cast<size_t>(perm[row] / active) * dim);
+    uint4* dst = reinterpret_cast<uint4*>(out + row * dim);
+    for (int i = threadIdx.x; i < dim / kVec<T>; i += blockDim.x) dst[i] = src[i];
 }
 
 // y[t] = shared[t] + Σ_slot weight[t, slot] · expert_out[pos[t, slot]], one block per token, 16-byte

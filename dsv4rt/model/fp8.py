@@ -1,0 +1,68 @@
+"""Launchers for cuda_src/fp8.cu: the faithful-mode activation quantiser and the fp8 decode GEMM (MODEL.md
+section 9; twins: reference.quant.act_quant, and reference.ops.Linear with act_quant on the dequantised weight).
+
+Every fp8 array is raw bytes (uint8): e4m3 values [rows, k]; e8m0 scales 2^(byte − 127), one per 128 columns
+of a row for activations ([rows, ceil(k/128)]), one per 128 x 128 tile for weights (the checkpoint's
+[ceil(n/128), ceil(k/128)]). Not yet part of GpuModel."""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+from ..cuda.build import instantiations, source_dir
+from ..cuda.device import Device, Launch
+from ..cuda.ops import storage_name
+
+BLOCK = 128            # kFp8Block: columns per scale
+QUANT_WARPS = 8        # act_quant: one warp per 128-column block of a row
+GEMM_COLUMNS = 16      # output columns (weight rows) of a GEMM block
+MAX_GEMM_WARPS = 16    # __launch_bounds__(512)
+BLOCKS_PER_WARP = 2    # kernel's U: 128-column blocks whose weight loads a warp has in flight at once
+
+
+@functools.cache
+def _names() -> tuple[str, ...]:
+    return tuple(instantiations((source_dir() / "fp8.cu").read_text()))
+
+
+def _nothing(stream) -> None:
+    return None
+
+
+def scale_columns(k: int) -> int:
+    return -(-k // BLOCK)
+
+
+def act_quant(device: Device, dtype, q: int, scale: int, x: int, rows: int, k: int) -> Launch:
+    """q [rows, k] e4m3 and scale [rows, ceil(k/128)] e8m0 from x [rows, k] (float32 or bfloat16), bit for bit
+    the reference's rounding. Any k; rows of 4·k elements aligned to 16 bytes take vector loads."""
+    if rows == 0 or k == 0:
+        return _nothing
+    kernel = device.kernel("fp8", f"act_quant<{storage_name(dtype)}>", _names())
+    tasks = rows * scale_columns(k)
+    args = [ctypes.c_void_p(q), ctypes.c_void_p(scale), ctypes.c_void_p(x), ctypes.c_int(rows), ctypes.c_int(k)]
+    return kernel.bind(-(-tasks // QUANT_WARPS), 32 * QUANT_WARPS, args)
+
+
+def gemm_warps(k: int) -> int:
+    """Warps of a GEMM block, which split its 128-column blocks: enough for every warp to keep
+    BLOCKS_PER_WARP of them in flight (Flash: k 1024 → 4, 4096 → 16, 8192 → 16)."""
+    return max(1, min(MAX_GEMM_WARPS, -(-scale_columns(k) // BLOCKS_PER_WARP)))
+
+
+def skinny_gemm(device: Device, out_dtype, y: int, xq: int, x_scale: int, w: int, w_scale: int, m: int, n: int,
+                k: int) -> Launch:
+    """y [m, n] (float32 or bfloat16) = dequant(xq, x_scale) · dequant(w, w_scale)ᵀ, summed per 128-column
+    block in fp32, for decode batches (m up to 16 in one pass over the weight; larger m read it once per
+    16 rows). xq/x_scale from act_quant; w/w_scale the checkpoint's e4m3 weight [n, k] and its e8m0 scales.
+    k must be a multiple of 16 and every array 16-byte aligned."""
+    if k % 16:
+        raise ValueError(f"the fp8 GEMM needs k to be a multiple of 16, got {k}")
+    if m == 0 or n == 0:
+        return _nothing
+    tiles = 1 if m <= 8 else 2  # 8-row activation tiles of a block
+    warps = gemm_warps(k)
+    kernel = device.kernel("fp8", f"fp8_skinny_gemm<{storage_name(out_dtype)},{tiles}>", _names())
+    args = [ctypes.c_void_p(p) for p in (y, xq, x_scale, w, w_scale)] + [ctypes.c_int(v) for v in (m, n, k)]
+    grid = (-(-n // GEMM_COLUMNS), 1, -(-m // (8 * tiles)))
+    return kernel.bind(grid, 32 * warps, args, shared=warps * 8 * tiles * GEMM_COLUMNS * 4)
