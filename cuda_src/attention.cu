@@ -184,12 +184,13 @@ sparse_attention(T* out, float* part_o, float2* part_ml, const T* q, const int* 
         const long long row = static_cast<long long>(t) * heads + h;
         if (split) {
             const long long part = row * gridDim.z + blockIdx.z;
+            if (lane == 0) part_ml[part] = make_float2(mx[hh], l[hh]);
+            if (l[hh] == 0.f) continue;  // no key: attention_combine reads no partial sum
 #pragma unroll
             for (int i = 0; i < C; ++i) {
                 const int d0 = (lane + 32 * i) * V;
                 if (d0 < hd) store_vec(part_o + part * hd + d0, o[hh][i]);
             }
-            if (lane == 0) part_ml[part] = make_float2(mx[hh], l[hh]);
         } else {
 #pragma unroll
             for (int i = 0; i < C; ++i) {
@@ -220,6 +221,7 @@ attention_combine(T* out, const float* part_o, const float2* part_ml, const floa
     for (int z = 0; z < splits; ++z) top = fmaxf(top, ml[z].x);
     float l = expf(sink[h] - top), o[C][V] = {};
     for (int z = 0; z < splits; ++z) {
+        if (ml[z].y == 0.f) continue;  // an empty split left its partial sum unwritten
         const float a = expf(ml[z].x - top);
         l += ml[z].y * a;
         float part[C][V];

@@ -49,6 +49,14 @@ def qkv_norm_rope_insert(device: Device, dtype, q: int, kv: int, kv_norm_weight:
     return k.bind(max(1, -(-warps // QKV_WARPS)), QKV_WARPS * 32, args)
 
 
+def attention_splits(rows: int, heads: int, max_keys: int, dtype, sm_count: int, waves: int = 2) -> int:
+    """How many blocks share each (row, head block)'s keys: enough for `waves` blocks per SM when rows are
+    few (decode), at most one key tile each. Depends on shapes only, so a graph's launch stays valid."""
+    tile_keys = TILE_BYTES // (MAX_HEAD_DIM * np.dtype(dtype).itemsize)
+    blocks = rows * -(-heads // BLOCK_HEADS)
+    return max(1, min(-(-waves * sm_count // blocks), -(-max_keys // tile_keys)))
+
+
 def attention_workspace_bytes(rows: int, heads: int, head_dim: int, splits: int) -> int:
     """Bytes of the workspace sparse_attention needs with `splits` > 1 (partial sums, maxima, denominators)."""
     return 0 if splits <= 1 else rows * heads * splits * (head_dim + 2) * 4

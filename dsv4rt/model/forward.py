@@ -76,7 +76,7 @@ class GpuModel:
         self.allocator = SlabAllocator(kv_bytes, self.plan.class_page_bytes, slab_bytes)
         self.blocks = BlockManager(self.plan, self.allocator)
         self.tables = PageTables(rt.arena, self.plan, self.allocator, max_len, max_batch)
-        self.blas, self.side_blas = Blas(rt.arena), Blas(rt.arena)
+        self.blas, self.side_blas = Blas(rt.arena, rt.device), Blas(rt.arena, rt.device)
         self.side = Stream()
         self.fork, self.join = Event(timing=False), Event(timing=False)
         self._rope_tables()
@@ -117,9 +117,17 @@ class GpuModel:
             ia=T * 2 * c.index_head_dim * 4, iz=T * 2 * c.index_head_dim * 4,
             iq=T * c.index_n_heads * c.index_head_dim * s, iw=T * c.index_n_heads * 4, scores=T * n_max * 4,
             selected=T * c.index_topk * 4, o=T * c.num_heads * hd * s, t=T * c.o_groups * c.o_lora_rank * s,
-            f=T * D * s, y=T * D * s, logits=T * c.vocab_size * 4, moe=workspace_bytes(self.moe_dims, self.dtype)))
+            f=T * D * s, y=T * D * s, logits=T * c.vocab_size * 4, moe=workspace_bytes(self.moe_dims, self.dtype),
+            att=max(attn_k.attention_workspace_bytes(t, c.num_heads, hd, self._splits(i, t))  # splits = 1 beyond
+                    for t in range(1, min(T, 2 * self.rt.device.sm_count) + 1)    # 2·sm_count rows
+                    for i in {(k, r): i for i, (k, r) in enumerate(zip(c.kinds, c.ratios))}.values())))
         self.ws.ptr.update(self.inputs.pointers(self.ws["inputs"]))
         self.n_max = n_max
+
+    def _splits(self, i: int, T: int) -> int:
+        c = self.cfg
+        compressed = c.index_topk if c.kinds[i] == CSA else self.max_len // c.ratios[i] if c.ratios[i] else 0
+        return attn_k.attention_splits(T, c.num_heads, c.window + compressed, self.dtype, self.rt.device.sm_count)
 
     # --- one request (tests, `dsv4rt logits`) ---------------------------------------------------
     def forward(self, ids, last_only: bool = False) -> np.ndarray:
@@ -240,7 +248,8 @@ class GpuModel:
                 selected = ws["selected"]
         attn_k.sparse_attention(dev, dt, ws["o"], ws["q"], ws["pos"], ws["req"], W[a + "attn_sink"].ptr,
                                 self.inv_freq[i], window, compressed, selected, rows=T, heads=H, head_dim=hd,
-                                rope_dim=rd, window_size=c.window, ratio=ratio, top_k=c.index_topk)(st)
+                                rope_dim=rd, window_size=c.window, ratio=ratio, top_k=c.index_topk,
+                                splits=self._splits(i, T), workspace=ws["att"])(st)
         G = c.o_groups
         grouped_linear(self.blas, dt, ws["o"], W[a + "wo_a.weight"].ptr, ws["t"], T, G, c.o_lora_rank,
                        H * hd // G)(st)
