@@ -299,14 +299,52 @@ __global__ void __launch_bounds__(kHcThreads) hc_pre(T* u, float* post, float* c
     combine<T, HC>(u, x, pre, t0, nb, dim);
 }
 
+// The rows u [t0, t0 + nb) of dim values as combine() stored them, walked over the same run of (token, column
+// chunk) pairs (so each thread reads back only its own stores): the sums of squares per token into sq (pass 1),
+// then xn = u · inv_rms[tok] · w (pass 2, sq unused).
+template <typename T, int NT>
+__device__ __forceinline__ void norm_pass(bool second, T* xn, const T* u, const float* w, const float* inv_rms,
+                                          float (&sq)[NT], int t0, int nb, int dim, int part, int parts) {
+    constexpr int V = kVec<T>;
+    const bool vec = dim % V == 0 && aligned16(u) && aligned16(xn) && aligned16(w);
+    const int chunks = vec ? dim / V : dim, run = (nb * chunks + parts - 1) / parts;
+    const int end = min(nb * chunks, (part + 1) * run);
+    for (int i = part * run + threadIdx.x; i < end; i += kHcThreads) {
+        const int tok = i / chunks, c = i - tok * chunks;
+        const size_t at = static_cast<size_t>(t0 + tok) * dim + (vec ? c * V : c);
+        float a[V], g[V];
+        if (vec) load_vec(u + at, a);
+        else a[0] = to_float(u[at]);
+        if (!second) {
+            float s = vec ? 0.f : a[0] * a[0];
+#pragma unroll
+            for (int e = 0; e < V; ++e) s += vec ? a[e] * a[e] : 0.f;
+#pragma unroll
+            for (int q = 0; q < NT; ++q) sq[q] += tok == q ? s : 0.f;
+            continue;
+        }
+        if (vec) {
+            load_vec(w + (at - static_cast<size_t>(t0 + tok) * dim), g);
+#pragma unroll
+            for (int e = 0; e < V; ++e) a[e] *= inv_rms[tok] * g[e];
+            store_vec(xn + at, a);
+        } else {
+            xn[at] = from_float<T>(a[0] * inv_rms[tok] * w[c]);
+        }
+    }
+}
+
 // hc_pre for short batches, where one block per kHcTok tokens would read all of fn alone: a cluster of
 // kHcSplit blocks (blockDim.x = kHcThreads) takes NT tokens, each block one slice of the hc·D reduction.
 // The blocks exchange their slice sums through distributed shared memory and add them in rank order, so
 // all hold the same v; rank 0 then writes post and comb (the serial Sinkhorn) while the others combine u.
+//
+// With xn given it also writes xn = RMSNorm(u) · norm_w (the block's attention or FFN norm), saving a launch:
+// the combining blocks add their runs' sums of squares through distributed shared memory in rank order.
 template <typename T, int HC, int NT>
 __global__ void __cluster_dims__(kHcSplit, 1, 1) __launch_bounds__(kHcThreads)
     hc_pre_split(T* u, float* post, float* comb, const T* x, const float* fn, const float* base, const float* scale,
-                 int tokens, int dim, float eps, float hc_eps, int iters) {
+                 int tokens, int dim, float eps, float hc_eps, int iters, T* xn, const float* norm_w, float norm_eps) {
     constexpr int R = (2 + HC) * HC, V = kVec<T>;
     __shared__ float partial[kHcThreads / 32][NT][R + 1];
     __shared__ float slice[NT][R + 1];
@@ -350,6 +388,31 @@ __global__ void __cluster_dims__(kHcSplit, 1, 1) __launch_bounds__(kHcThreads)
     __syncthreads();
     mix<HC, R>(v, pre, post, comb, base, scale, t0, nb, hc_eps, iters, rank == 0);
     if (rank > 0) combine<T, HC>(u, x, pre, t0, nb, dim, rank - 1, kHcSplit - 1);
+    if (xn == nullptr) return;
+    float sq[NT] = {};
+    if (rank > 0) norm_pass<T, NT>(false, xn, u, norm_w, nullptr, sq, t0, nb, dim, rank - 1, kHcSplit - 1);
+    __shared__ float warp_sq[kHcThreads / 32][NT];
+    __shared__ float block_sq[NT];
+    __shared__ float inv_rms[NT];
+#pragma unroll
+    for (int q = 0; q < NT; ++q) {
+        const float s = warp_sum(sq[q]);
+        if ((threadIdx.x & 31) == 0) warp_sq[threadIdx.x >> 5][q] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x < NT) {
+        float s = 0.f;
+        for (int w = 0; w < kHcThreads / 32; ++w) s += warp_sq[w][threadIdx.x];
+        block_sq[threadIdx.x] = s;
+    }
+    cluster_sync();
+    if (threadIdx.x < NT) {
+        float s = 0.f;
+        for (int q = 1; q < kHcSplit; ++q) s += cluster_load(&block_sq[threadIdx.x], q);
+        inv_rms[threadIdx.x] = rsqrtf(s / dim + norm_eps);
+    }
+    cluster_sync();  // every block_sq read before any block leaves; inv_rms visible to the block
+    if (rank > 0) norm_pass<T, NT>(true, xn, u, norm_w, inv_rms, sq, t0, nb, dim, rank - 1, kHcSplit - 1);
 }
 
 // Final head: y [T, D] = Σ_j (sigmoid(scale·v_j + base_j) + hc_eps) X_j.

@@ -73,6 +73,27 @@ def test_pre_matches_reference(rt, dev, dtype, tokens, hc, dim):
     check_pre(got, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, hc, dim", [(1, 4, 4096), (8, 4, 4096), (64, 4, 4096), (7, 2, 101), (33, 4, 100),
+                                             (600, 4, 4096)])
+def test_pre_with_norm_writes_the_normed_input(rt, dev, dtype, tokens, hc, dim):
+    """xn = RMSNorm(u)·w: inside the split kernel for decode batches, a second launch past them (600 tokens)."""
+    from dsv4rt.model import hc as k
+    from dsv4rt.reference.ops import rmsnorm
+    rng = np.random.default_rng(tokens + dim)
+    x = streams(rng, tokens, hc, dim, dtype)
+    fn, base, scale = mixing(rng, (2 + hc) * hc, hc, dim, 3)
+    w = rng.uniform(0.5, 1.5, dim).astype(np.float32)
+    du, dxn = dev(poison((tokens, dim), dtype)), dev(poison((tokens, dim), dtype))
+    outs = [dev(poison((tokens, hc), np.float32)), dev(poison((tokens, hc, hc), np.float32))]
+    k.pre(rt.device, dtype, du.ptr, outs[0].ptr, outs[1].ptr, dev(x).ptr, dev(fn).ptr, dev(base).ptr, dev(scale).ptr,
+          tokens, hc, dim, EPS, HC_EPS, ITERS, xn=dxn.ptr, norm=dev(w).ptr, norm_eps=EPS)(rt.stream)
+    u = fetch(rt, du, np.empty((tokens, dim), dtype))
+    ref_u = HyperConnection(fn, base, scale, ITERS, HC_EPS, EPS).pre(x.astype(np.float32))[0]
+    assert rel_rows(u, ref_u).max() < out_tol(dtype)
+    assert rel_rows(fetch(rt, dxn, u.astype(dtype)), rmsnorm(u, w, EPS)).max() < out_tol(dtype)
+
+
 def test_pre_decode_batches_take_the_split_kernel(rt):
     from dsv4rt.model import hc as k
     cases = [(1, "hc_pre_split<__nv_bfloat16,4,1>"), (8, "hc_pre_split<__nv_bfloat16,4,1>"),

@@ -296,8 +296,8 @@ class GpuModel:
     def _hc_pre(self, hc: str, norm: str, T: int):
         c, ws, dev, W = self.cfg, self.ws, self.rt.device, self.w
         hc_k.pre(dev, self.dtype, ws["u"], ws["post"], ws["comb"], ws["X"], W[hc + "_fn"].ptr, W[hc + "_base"].ptr,
-                 W[hc + "_scale"].ptr, T, c.hc_mult, c.hidden_size, c.eps, c.hc_eps, c.hc_iters)(self.rt.stream)
-        ops.rmsnorm(dev, self.dtype, ws["xn"], ws["u"], W[norm].ptr, T, c.hidden_size, c.eps)(self.rt.stream)
+                 W[hc + "_scale"].ptr, T, c.hc_mult, c.hidden_size, c.eps, c.hc_eps, c.hc_iters, xn=ws["xn"],
+                 norm=W[norm].ptr, norm_eps=c.eps)(self.rt.stream)
 
     def _hc_post(self, T: int):
         c, ws = self.cfg, self.ws

@@ -12,7 +12,9 @@ import numpy as np
 
 from dsv4rt.cuda.build import instantiations, source_dir
 from dsv4rt.cuda.device import Device, Launch
+from dsv4rt.cuda import ops
 from dsv4rt.cuda.ops import storage_name
+from dsv4rt.model.paged import LaunchSequence
 
 HCS = (2, 4)    # the hc_mult values instantiated in hc.cu
 THREADS = 256   # kHcThreads
@@ -67,9 +69,11 @@ def embed(device: Device, dtype, out: int, ids: int, table: int, tokens: int, vo
 
 
 def pre(device: Device, dtype, u: int, post: int, comb: int, x: int, fn: int, base: int, scale: int,
-        tokens: int, hc: int, dim: int, eps: float, hc_eps: float, iters: int) -> Launch:
+        tokens: int, hc: int, dim: int, eps: float, hc_eps: float, iters: int, *, xn: int = 0, norm: int = 0,
+        norm_eps: float = 0.0) -> Launch | LaunchSequence:
     """u [T, D] = Σ_j pre_j X_j, post [T, hc], comb [T, hc, hc] from streams x [T, hc, D];
-    fn [(2+hc)·hc, hc·D], base [(2+hc)·hc], scale [3]."""
+    fn [(2+hc)·hc, hc·D], base [(2+hc)·hc], scale [3]. With xn also xn [T, D] = RMSNorm(u) · norm
+    (float32 [D]), inside the decode kernel or as a second launch."""
     if tokens == 0:
         return _nothing
     args = _p(u, post, comb, x, fn, base, scale) + [ctypes.c_int(tokens), ctypes.c_int(dim), ctypes.c_float(eps),
@@ -79,9 +83,11 @@ def pre(device: Device, dtype, u: int, post: int, comb: int, x: int, fn: int, ba
         # SPLIT blocks shares the reduction instead, one token per cluster while clusters of 8 SMs are
         # spare, else TOK tokens (H200, bf16 Flash: 8 us for 1 or 8 tokens, 20 us for 64; 23-26 us before).
         per = 1 if tokens * SPLIT <= device.sm_count else TOK
+        args += [*_p(xn, norm), ctypes.c_float(norm_eps)]
         return _kernel(device, "hc_pre_split", dtype, hc, per).bind((SPLIT, -(-tokens // per)), THREADS, args)
     g = _groups(device, tokens)
-    return _kernel(device, "hc_pre", dtype, hc).bind(-(-tokens // (g * TOK)), (THREADS // g, g), args)
+    launch = _kernel(device, "hc_pre", dtype, hc).bind(-(-tokens // (g * TOK)), (THREADS // g, g), args)
+    return LaunchSequence(launch, ops.rmsnorm(device, dtype, xn, u, norm, tokens, dim, norm_eps)) if xn else launch
 
 
 def head(device: Device, dtype, y: int, x: int, fn: int, base: int, scale: int, tokens: int, hc: int, dim: int,
