@@ -1,0 +1,184 @@
+"""The faithful decode MoE on the experts as released (MODEL.md sections 8 to 10; twin: reference.moe.MoE with
+act_quant in front of every expert GEMM): routed experts in packed e2m1 with e8m0 scales per 1 x 32
+(cuda_src/moe_fp4.cu), the shared expert in e4m3 with e8m0 scales per 128 x 128 (fp8.skinny_gemm). One bound
+sequence without host synchronisation, as moe.MoE, whose routing, sort, SwiGLU and combine kernels it runs:
+gate GEMM → routing → counting sort into 8-row tiles → act_quant(x) → routed w1/w3 (fp4) and shared w1/w3 (fp8)
+into fp32 g, u → clamped SwiGLU over all rows → act_quant(h) → routed w2 (fp4), shared w2 (fp8) → weighted
+combine. Each 8-row tile reads its expert's weights once: meant for decode. Not yet part of GpuModel."""
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cuda.arena import ALIGN
+from ..cuda.build import instantiations, source_dir
+from ..cuda.device import Device, Launch
+from ..cuda.ops import storage_name
+from . import fp8
+from .gemm import Blas, linear
+from .moe import MAX_ACTIVE, MAX_EXPERTS, MoeDims, _instances as moe_instances, route
+
+TILE_ROWS = 8       # kFp4Rows: activation rows of a tile
+TILE_COLUMNS = 16   # output columns of a block
+BLOCK = 32          # kFp4Block: columns per weight scale
+MAX_WARPS = 8       # kFp4MaxWarps
+IN_FLIGHT = 4       # kFp4InFlight: 16-byte weight vectors per row pair a thread loads before it computes
+
+
+@dataclass(frozen=True)
+class Fp4Experts:
+    """Device pointer tables [experts] (moe.pointer_table) of the routed experts' packed e2m1 weights, w1 and w3
+    [inter, dim/2], w2 [dim, inter/2], and of their e8m0 scales [rows, cols/32], as the checkpoint stores them."""
+    w1: int
+    w3: int
+    w2: int
+    w1_scale: int
+    w3_scale: int
+    w2_scale: int
+
+
+@dataclass(frozen=True)
+class Fp8Expert:
+    """The shared expert's device addresses: e4m3 w1, w3 [inter, dim], w2 [dim, inter] and their e8m0 scales per
+    128 x 128 tile, as the checkpoint stores them."""
+    w1: int
+    w3: int
+    w2: int
+    w1_scale: int
+    w3_scale: int
+    w2_scale: int
+
+
+@functools.cache
+def _names() -> tuple[str, ...]:
+    return tuple(instantiations((source_dir() / "moe_fp4.cu").read_text()))
+
+
+def routed_tiles(pairs: int, experts: int) -> int:
+    """8-row tiles over all experts, whatever the routing: each holds a row, only an expert's last is partial."""
+    return min(pairs, -(-pairs // TILE_ROWS) + min(experts, pairs))
+
+
+def gemm_warps(k: int, matrices: int) -> int:
+    """Warps of a block, which split its 128-column groups: each loads IN_FLIGHT / matrices groups at once and
+    goes round about twice (Flash: w1/w3 k 4096 → 8 warps, w2 k 2048 → 2)."""
+    groups = fp8.scale_columns(k)
+    return max(1, min(MAX_WARPS, -(-groups // (2 * (IN_FLIGHT // matrices)))))
+
+
+def expert_gemm(device: Device, out_dtype, out: int, xq: int, x_scale: int, w: int, w_scale: int, offsets: int,
+                tile_offsets: int, experts: int, tiles: int, n: int, k: int, *, perm: int | None = None,
+                active: int = 1, out_second: int | None = None, w_second: int | None = None,
+                w_second_scale: int | None = None) -> Launch:
+    """out [rows, n] = dequant(xq, x_scale) · dequant(W_e)ᵀ for each expert e's sorted rows (offsets, tile_offsets
+    from moe_sort with TILE_ROWS-row tiles; `tiles` an upper bound of their total). xq [., k] e4m3 and x_scale
+    [., ceil(k/128)] e8m0 from act_quant, read at row perm[r] / active when perm is given, else at r. w and
+    w_scale: pointer tables of packed e2m1 [n, k/2] and e8m0 [n, k/32]; a second pair writes out_second. fp32
+    accumulation; out float32 or bfloat16. k must be a multiple of 32, xq and the weights 16-byte aligned."""
+    if k % BLOCK:
+        raise ValueError(f"the fp4 expert GEMM needs k to be a multiple of {BLOCK}, got {k}")
+    if (out_second is None) != (w_second is None) or (w_second is None) != (w_second_scale is None):
+        raise ValueError("a second weight comes with its scales and its output")
+    if not tiles or not n:
+        return fp8._nothing
+    m = 1 if w_second is None else 2
+    kernel = device.kernel("moe_fp4", f"moe_fp4_skinny<{storage_name(out_dtype)},{m}>", _names())
+    P = ctypes.c_void_p
+    args = [P(out), P(out_second or 0), P(xq), P(x_scale), P(perm or 0), ctypes.c_int(active), P(w), P(w_scale),
+            P(w_second or 0), P(w_second_scale or 0), P(offsets), P(tile_offsets), ctypes.c_int(experts),
+            ctypes.c_int(n), ctypes.c_int(k)]
+    return kernel.bind((-(-n // TILE_COLUMNS), tiles), 32 * gemm_warps(k, m), args)
+
+
+def _layout(d: MoeDims, dtype) -> dict[str, int]:
+    """Byte offsets of the scratch arrays. Rows of g, u, hidden and their quantised hq, hs: the shared expert's
+    `tokens` first (when there is one), then the routed pairs in expert order."""
+    t, f4, i4 = np.dtype(dtype).itemsize, 4, 4
+    rows = d.pairs + (d.tokens if d.shared_inter else 0)
+    sizes = dict(logits=d.tokens * d.experts * f4, idx=d.pairs * i4, weight=d.pairs * f4,
+                 offsets=(d.experts + 1) * i4, tile_offsets=(d.experts + 1) * i4, perm=d.pairs * i4, pos=d.pairs * i4,
+                 xq=d.tokens * d.dim, xs=d.tokens * fp8.scale_columns(d.dim), g=rows * d.inter * f4,
+                 u=rows * d.inter * f4, hidden=rows * d.inter * f4, hq=rows * d.inter,
+                 hs=rows * fp8.scale_columns(d.inter), expert_out=d.pairs * d.dim * t,
+                 shared_out=d.tokens * d.dim * f4 if d.shared_inter else 0)
+    offsets, at = {}, 0
+    for name, size in sizes.items():
+        offsets[name] = at
+        at += -(-size // ALIGN) * ALIGN
+    offsets["total"] = at
+    return offsets
+
+
+def workspace_bytes(dims: MoeDims, dtype) -> int:
+    return _layout(dims, dtype)["total"]
+
+
+class Fp4MoE:
+    """moe.MoE's y [tokens, dim] = Σ_slot w·expert(x) + shared(x) on the released expert formats, with the
+    faithful activation quantisation. x, y, gate (bf16 or float32 [experts, dim]), bias / tid2eid / ids as in
+    moe.MoE; `workspace` holds workspace_bytes(dims, dtype) bytes. The shared expert, when there is one, has the
+    routed experts' inter (dims.shared_inter == dims.inter)."""
+
+    def __init__(self, device: Device, blas: Blas, dtype, dims: MoeDims, *, x: int, y: int, gate: int,
+                 routed: Fp4Experts, shared: Fp8Expert | None, scaling: float, limit: float, workspace: int,
+                 bias: int | None = None, tid2eid: int | None = None, ids: int | None = None):
+        d = dims
+        if not 0 < d.active <= min(MAX_ACTIVE, d.experts) or d.experts > MAX_EXPERTS:
+            raise ValueError(f"{d.active} of {d.experts} experts: at most {MAX_ACTIVE} of {MAX_EXPERTS}")
+        if d.dim % BLOCK or d.inter % BLOCK:
+            raise ValueError(f"dim and inter must be multiples of {BLOCK} (packed e2m1 rows of 16-byte vectors)")
+        if (bias is None) == (tid2eid is None) or (tid2eid is not None and ids is None):
+            raise ValueError("a routed layer gives bias, a hash layer tid2eid and ids")
+        if bool(d.shared_inter) != (shared is not None):
+            raise ValueError("shared_inter and the shared expert's weights go together")
+        if d.shared_inter not in (0, d.inter):
+            raise ValueError(f"the shared expert's inter {d.shared_inter} differs from the routed {d.inter}")
+        t = storage_name(dtype)
+        at = {k: workspace + v for k, v in _layout(d, dtype).items()}
+        self.dims, self.scratch = d, at
+        P, I, V = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+        F, D, T = d.inter, d.dim, d.tokens
+        s_rows = T if shared is not None else 0
+        rows = s_rows + d.pairs
+        tiles = routed_tiles(d.pairs, d.experts)
+
+        def kernel(expr):
+            return device.kernel("moe", expr, moe_instances())
+
+        launches = [
+            linear(blas, dtype, x, gate, at["logits"], T, d.experts, D, np.float32),
+            route(device, at["logits"], at["idx"], at["weight"], T, d.experts, d.active, scaling, bias=bias,
+                  tid2eid=tid2eid, ids=ids),
+            kernel("moe_sort").bind(1, 1024, [
+                P(at["offsets"]), P(at["tile_offsets"]), P(at["perm"]), P(at["pos"]), P(at["idx"]), I(d.pairs),
+                I(d.experts), I(TILE_ROWS)]),
+            fp8.act_quant(device, dtype, at["xq"], at["xs"], x, T, D),
+            expert_gemm(device, np.float32, at["g"] + 4 * s_rows * F, at["xq"], at["xs"], routed.w1, routed.w1_scale,
+                        at["offsets"], at["tile_offsets"], d.experts, tiles, F, D, perm=at["perm"], active=d.active,
+                        out_second=at["u"] + 4 * s_rows * F, w_second=routed.w3, w_second_scale=routed.w3_scale),
+        ]
+        if shared is not None:
+            launches += [fp8.skinny_gemm(device, np.float32, at[out], at["xq"], at["xs"], w, s, T, F, D)
+                         for out, w, s in (("g", shared.w1, shared.w1_scale), ("u", shared.w3, shared.w3_scale))]
+        launches += [
+            kernel("swiglu<float>").bind(min(-(-rows * F // 256), 4096), 256, [
+                P(at["hidden"]), P(at["g"]), P(at["u"]), ctypes.c_longlong(rows * F), V(limit)]),
+            fp8.act_quant(device, np.float32, at["hq"], at["hs"], at["hidden"], rows, F),
+            expert_gemm(device, dtype, at["expert_out"], at["hq"] + s_rows * F,
+                        at["hs"] + s_rows * fp8.scale_columns(F), routed.w2, routed.w2_scale, at["offsets"],
+                        at["tile_offsets"], d.experts, tiles, D, F),
+        ]
+        if shared is not None:
+            launches.append(fp8.skinny_gemm(device, np.float32, at["shared_out"], at["hq"], at["hs"], shared.w2,
+                                            shared.w2_scale, T, D, F))
+        launches.append(kernel(f"moe_combine<{t}>").bind(T, 256, [
+            P(y), P(at["expert_out"]), P(at["shared_out"] if shared is not None else 0), P(at["pos"]),
+            P(at["weight"]), I(d.active), I(D)]))
+        self.launches = launches if T else []
+
+    def __call__(self, stream):
+        for launch in self.launches:
+            launch(stream)
