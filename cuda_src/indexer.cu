@@ -1,4 +1,4 @@
-// dsv4rt-instantiate: indexer_scores<float> indexer_scores<__nv_bfloat16> indexer_topk
+// dsv4rt-instantiate: indexer_scores<float> indexer_scores<__nv_bfloat16> indexer_scores_mma indexer_topk
 #include "compress.cuh"
 
 // The lightning indexer of MODEL.md section 6 in two kernels: scores into a float32 workspace
@@ -8,7 +8,6 @@
 constexpr int kHeads = 64;        // heads per block: n_heads ≤ 64, the missing ones weigh 0
 constexpr int kKeys = 64;         // keys per tile
 constexpr int kScoreThreads = 256;  // 16 head groups × 16 key groups, 4 × 4 dot products each
-constexpr int kSelectThreads = 512;
 
 template <typename T, int N>
 __device__ __forceinline__ void load_or_zero(const T* p, bool valid, float* dst) {
@@ -24,9 +23,19 @@ __device__ __forceinline__ void load_or_zero(const T* p, bool valid, float* dst)
         *reinterpret_cast<float4*>(dst + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
 }
 
+// cos and sin of pos · inv_freq[k] for the rope_dim / 2 channel pairs, once per block (not per head).
+__device__ __forceinline__ void rope_table(float2* cs, const float* inv_freq, int rope_dim, int pos) {
+    for (int k = threadIdx.x; k < rope_dim / 2; k += blockDim.x) {
+        float s, c;
+        sincosf(static_cast<float>(pos) * inv_freq[k], &s, &c);
+        cs[k] = make_float2(c, s);
+    }
+}
+
 // score[t, j] = Σ_h w[t,h] · relu(q[t,h] · k[j]). q [rows, n_heads, dim] (T), roped here at pos[t] on
 // the last rope_dim channels when inv_freq is given; w float32 [rows, n_heads]; keys: T [dim] entries.
 // Grid (splits, rows): block x walks the key tiles x, x + splits, ... of its row; dim % 8 == 0.
+// Exact float32 arithmetic: the float build, and the bf16 build where the tensor-core kernel does not fit.
 template <typename T>
 __global__ void __launch_bounds__(kScoreThreads, 2) indexer_scores(
         float* scores, const T* q, const float* w, char* key_base, const long long* key_pages,
@@ -43,6 +52,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) indexer_scores(
     const int stride = dim + 4;
     float* qs = tiles;
     float* ks = tiles + kHeads * stride;
+    float2* cs = reinterpret_cast<float2*>(ks + kKeys * stride);
     constexpr int V = kVec<T>;
     const int vecs = dim / V;
 
@@ -52,17 +62,16 @@ __global__ void __launch_bounds__(kScoreThreads, 2) indexer_scores(
         load_or_zero<T, V>(qt + static_cast<size_t>(h) * dim + c, h < n_heads, qs + h * stride + c);
     }
     for (int h = threadIdx.x; h < kHeads; h += kScoreThreads) weight[h] = h < n_heads ? w[t * n_heads + h] : 0.f;
+    if (inv_freq) rope_table(cs, inv_freq, rope_dim, m);
     __syncthreads();
     if (inv_freq) {
         const int pairs = rope_dim / 2;
         for (int i = threadIdx.x; i < n_heads * pairs; i += kScoreThreads) {
             const int h = i / pairs, k = i % pairs;
             float* x = qs + h * stride + dim - rope_dim + 2 * k;
-            float s, c;
-            sincosf(static_cast<float>(m) * inv_freq[k], &s, &c);
             const float ev = x[0], od = x[1];
-            x[0] = ev * c - od * s;
-            x[1] = od * c + ev * s;
+            x[0] = ev * cs[k].x - od * cs[k].y;
+            x[1] = od * cs[k].x + ev * cs[k].y;
         }
     }
 
@@ -112,99 +121,437 @@ __global__ void __launch_bounds__(kScoreThreads, 2) indexer_scores(
     }
 }
 
+// ---------------------------------------------------------------- bf16 scores on the tensor cores
+
+constexpr int kMmaDim = 128;         // head_dim of the tensor-core kernel (Flash and Pro)
+constexpr int kMmaThreads = 256;     // 8 warps: 2 halves of the heads × 4 strips of 16 keys
+constexpr int kStages = 4;           // key tiles in flight per block (cp.async)
+constexpr int kKeyStride = kMmaDim + 8;  // bf16 per key row in shared memory: 272 B, ldmatrix rows on distinct banks
+
+__device__ __forceinline__ void cp_async16_or_zero(void* smem, const void* gmem, bool valid) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const unsigned*>(&v);
+}
+
+// d += a·b: a 16 × 16 bf16 (row-major), b 16 × 8 bf16 (column-major), d 16 × 8 float32.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The bf16 indexer_scores for head_dim kMmaDim (same arguments less dim): keys × qᵀ on the tensor cores
+// with float32 accumulation. q is roped in float32 and rounded to bf16, as a caller-roped q is stored.
+// Warp (half, strip) holds the B fragments of heads 32·half … +31 in registers for the whole launch and
+// multiplies the 16 keys of its strip of every 64-key tile; the two halves' weighted sums meet in shared
+// memory one tile later. Grid (splits, rows) as indexer_scores.
+__global__ void __launch_bounds__(kMmaThreads, 2) indexer_scores_mma(
+        float* scores, const __nv_bfloat16* q, const float* w, char* key_base, const long long* key_pages,
+        const int* page_start, int per_page, int entry_bytes, const int* pos, const int* req,
+        const float* inv_freq, int rope_dim, int n_heads, int n_max, int ratio) {
+    extern __shared__ __align__(16) __nv_bfloat16 stage[];  // [kStages][kKeys][kKeyStride]
+    __shared__ float2 cs[kMmaDim / 2];
+    __shared__ float partial[2][2][kKeys];  // [tile parity][half][key]
+    constexpr int kSteps = kMmaDim / 16, kChunks = kKeys * kMmaDim / 8 / kMmaThreads;
+    const int t = blockIdx.y, request = req[t];
+    if (request < 0) return;
+    const int m = pos[t], visible = min((m + 1) / ratio, n_max);
+    if (blockIdx.x * kKeys >= visible) return;
+    const int tiles = (visible + kKeys - 1) / kKeys, mine = (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x;
+    const long long* pages = key_pages + page_start[request];
+
+    // Thread copies key row tid / 4 of a tile, 16-byte chunks tid % 4 + 4c.
+    const int copy_row = threadIdx.x >> 2, copy_chunk = threadIdx.x & 3;
+    auto issue = [&](int i) {
+        if (i < mine) {
+            const int j = (blockIdx.x + i * gridDim.x) * kKeys + copy_row;
+            const bool valid = j < visible;
+            const char* src = valid ? paged_entry(key_base, pages, per_page, entry_bytes, j) : key_base;
+            __nv_bfloat16* dst = stage + ((i % kStages) * kKeys + copy_row) * kKeyStride;
+#pragma unroll
+            for (int c = 0; c < kChunks; ++c)
+                cp_async16_or_zero(dst + (copy_chunk + 4 * c) * 8, src + (copy_chunk + 4 * c) * 16, valid);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    for (int i = 0; i < kStages - 1; ++i) issue(i);
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, half = warp & 1, strip = warp >> 1;
+    const int g = lane >> 2, l4 = lane & 3;
+    if (inv_freq) rope_table(cs, inv_freq, rope_dim, m);
+    __syncthreads();
+    // B fragment of n-tile n, k-step s: b0 = q[h][16s + 2·l4, +1], b1 = q[h][16s + 8 + 2·l4, +1], h = 32·half + 8n + g.
+    unsigned b[4][kSteps][2];
+    float wt[4][2];
+    const __nv_bfloat16* qt = q + static_cast<size_t>(t) * n_heads * kMmaDim;
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+        const int h = 32 * half + 8 * n + g;
+#pragma unroll
+        for (int s = 0; s < kSteps; ++s)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int d = 16 * s + 8 * r + 2 * l4;
+                float2 x = make_float2(0.f, 0.f);
+                if (h < n_heads) x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(qt + h * kMmaDim + d));
+                const int k = (d - (kMmaDim - rope_dim)) / 2;
+                if (inv_freq && d >= kMmaDim - rope_dim)
+                    x = make_float2(x.x * cs[k].x - x.y * cs[k].y, x.y * cs[k].x + x.x * cs[k].y);
+                b[n][s][r] = pack_bf16(x.x, x.y);
+            }
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const int hw = 32 * half + 8 * n + 2 * l4 + c;
+            wt[n][c] = hw < n_heads ? w[t * n_heads + hw] : 0.f;
+        }
+    }
+
+    float* out = scores + static_cast<size_t>(t) * n_max;
+    auto store = [&](int i) {  // tile i's scores, from both halves' sums
+        const int j = (blockIdx.x + i * gridDim.x) * kKeys + threadIdx.x;
+        if (threadIdx.x < kKeys && j < visible) out[j] = partial[i & 1][0][threadIdx.x] + partial[i & 1][1][threadIdx.x];
+    };
+    // ldmatrix.x4 lane address: row lane % 16 of the strip, column half lane / 16 of the k-step.
+    const unsigned a_base = static_cast<unsigned>(__cvta_generic_to_shared(
+        stage + (strip * 16 + (lane & 15)) * kKeyStride + 8 * (lane >> 4)));
+    for (int i = 0; i < mine; ++i) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2));
+        __syncthreads();  // tile i landed for every thread; tile i − 1 is consumed, its stage free again
+        if (i > 0) store(i - 1);
+        issue(i + kStages - 1);
+        float acc[4][4] = {};
+        const unsigned a_tile = a_base + (i % kStages) * kKeys * kKeyStride * 2;
+#pragma unroll
+        for (int s = 0; s < kSteps; ++s) {
+            unsigned a[4];
+            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(a_tile + s * 32));
+#pragma unroll
+            for (int n = 0; n < 4; ++n) mma_bf16(acc[n], a, b[n][s][0], b[n][s][1]);
+        }
+        // acc[n]: keys g (0, 1) and g + 8 (2, 3) × heads 8n + 2·l4 + (0, 1) of this half.
+        float lo = 0.f, hi = 0.f;
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            lo += wt[n][0] * fmaxf(acc[n][0], 0.f) + wt[n][1] * fmaxf(acc[n][1], 0.f);
+            hi += wt[n][0] * fmaxf(acc[n][2], 0.f) + wt[n][1] * fmaxf(acc[n][3], 0.f);
+        }
+#pragma unroll
+        for (int o = 1; o < 4; o <<= 1) {
+            lo += __shfl_xor_sync(0xffffffffu, lo, o);
+            hi += __shfl_xor_sync(0xffffffffu, hi, o);
+        }
+        if (l4 == 0) {
+            partial[i & 1][half][strip * 16 + g] = lo;
+            partial[i & 1][half][strip * 16 + g + 8] = hi;
+        }
+    }
+    __syncthreads();
+    store(mine - 1);
+}
+
+// ---------------------------------------------------------------- exact top-k
+
+// A cluster of kCluster blocks shares each row: block r takes the r-th share of its entries, the
+// blocks add their histograms through distributed shared memory. The key is selected in three MSB
+// digits (12, 10, 10 bits). Entries whose first digit matches the threshold's are copied to shared
+// memory once (unless some block has more than `capacity`: then every pass re-reads the row).
+constexpr int kCluster = 8;
+constexpr int kSelectThreads = 512;
+constexpr int kBins1 = 4096, kBins = 1024;
+constexpr int kUnroll = 4;  // float4 loads in flight per thread
+
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+
+// The address of `p` (this block's shared memory) in cluster block `rank`'s shared memory.
+__device__ __forceinline__ unsigned cluster_addr(const void* p, int rank) {
+    unsigned a;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
+                 : "=r"(a) : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))), "r"(rank));
+    return a;
+}
+__device__ __forceinline__ unsigned cluster_load(unsigned a) {
+    unsigned v;
+    asm volatile("ld.shared::cluster.u32 %0, [%1];\n" : "=r"(v) : "r"(a) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint4 cluster_load4(unsigned a) {
+    uint4 v;
+    asm volatile("ld.shared::cluster.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a) : "memory");
+    return v;
+}
+
 // Float bits made unsigned-comparable in the float order; −0 and +0 tie, as in the reference.
 __device__ __forceinline__ unsigned order_key(float s) {
     const unsigned u = __float_as_uint(s == 0.f ? 0.f : s);
     return (u & 0x80000000u) ? ~u : u | 0x80000000u;
 }
 
-// Exclusive count of `flag` over the threads before this one, and the block's total.
-__device__ __forceinline__ int block_prefix(bool flag, int& total) {
-    __shared__ int warp_counts[32];
+// hist[bin] += 1 for each lane with `valid`; a warp whose lanes share one bin adds once (ties, zeros).
+__device__ __forceinline__ void count(unsigned* hist, unsigned bin, bool valid) {
+    const unsigned lanes = __ballot_sync(0xffffffffu, valid);
+    const int leader = __ffs(lanes) - 1;
+    const unsigned first = __shfl_sync(0xffffffffu, bin, max(leader, 0));
+    if (__all_sync(0xffffffffu, !valid || bin == first)) {
+        if (lanes && static_cast<int>(threadIdx.x & 31) == leader) atomicAdd(hist + first, __popc(lanes));
+    } else if (valid) {
+        atomicAdd(hist + bin, 1u);
+    }
+}
+
+// Exclusive prefix of v over the block's threads in order, and the block's total.
+__device__ __forceinline__ unsigned block_scan(unsigned v, unsigned& total) {
+    __shared__ unsigned warp_sums[kSelectThreads / 32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const unsigned ballot = __ballot_sync(0xffffffffu, flag);
-    if (lane == 0) warp_counts[warp] = __popc(ballot);
+    unsigned inc = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned n = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += n;
+    }
+    if (lane == 31) warp_sums[warp] = inc;
     __syncthreads();
-    int before = 0;
+    unsigned before = 0;
     total = 0;
-    for (int i = 0; i < static_cast<int>(blockDim.x >> 5); ++i) {
-        before += i < warp ? warp_counts[i] : 0;
-        total += warp_counts[i];
+#pragma unroll
+    for (int i = 0; i < kSelectThreads / 32; ++i) {
+        before += i < warp ? warp_sums[i] : 0;
+        total += warp_sums[i];
     }
     __syncthreads();
-    return before + __popc(ballot & ((1u << lane) - 1));
+    return before + inc - v;
+}
+
+struct Cut {
+    unsigned bin;  // the digit of the k-th largest key
+    int need;      // how many keys with that digit (and the prefix) belong to the top-k
+};
+
+// hist [bins] over one digit of the keys that match the prefix; `need` of them belong to the top-k.
+__device__ __forceinline__ Cut find_cut(const unsigned* hist, int bins, int need, Cut& shared) {
+    const int per = bins / kSelectThreads, top = bins - per * static_cast<int>(threadIdx.x);  // bins top − per … top − 1
+    unsigned local = 0;
+    for (int b = 1; b <= per; ++b) local += hist[top - b];
+    unsigned total;
+    unsigned above = block_scan(local, total);
+    if (above < static_cast<unsigned>(need) && static_cast<unsigned>(need) <= above + local) {
+        for (int b = 1; b <= per; ++b) {
+            const unsigned c = hist[top - b];
+            if (above + c >= static_cast<unsigned>(need)) {
+                shared = {static_cast<unsigned>(top - b), need - static_cast<int>(above)};
+                break;
+            }
+            above += c;
+        }
+    }
+    __syncthreads();
+    return shared;
+}
+
+// total[b] = Σ over the cluster's blocks of their hist[b]; hist is complete in every block (cluster_sync).
+__device__ __forceinline__ void cluster_hist(const unsigned* hist, unsigned* total, int bins) {
+    for (int i = threadIdx.x; i < bins / 4; i += kSelectThreads) {
+        uint4 s = make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int r = 0; r < kCluster; ++r) {
+            const uint4 v = cluster_load4(cluster_addr(hist + 4 * i, r));
+            s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
+        }
+        reinterpret_cast<uint4*>(total)[i] = s;
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ void set_bit(unsigned* bits, int i) { atomicOr(bits + (i >> 5), 1u << (i & 31)); }
+
+// One block's share of a row and the selection's shared-memory state.
+struct Share {
+    const float4* groups;  // aligned float4 group k holds entries 4k − skew … 4k − skew + 3
+    int g_lo, g_hi;        // this block's groups
+    int skew, lo, visible;  // bit i of the bitmaps is entry lo + i
+    unsigned *hist1, *hist2, *hist3;
+    unsigned *greater, *ties;  // bitmaps: entries above the threshold key τ (then every selected one), equal to it
+    unsigned *cand_key, *cand_at, *n_cand;
+    unsigned bin1, prefix, tau;  // τ's first digit, first two digits, all of it
+    bool in_shared;              // the entries whose first digit is bin1 are the candidates
+};
+
+enum Pass { kFirstDigit, kCollect, kThirdDigit, kMark };
+
+template <int P>
+__device__ __forceinline__ void visit(Share& s, int bit, unsigned key, bool valid) {
+    if (P == kFirstDigit) count(s.hist1, key >> 20, valid);
+    if (P == kCollect) {
+        const unsigned digit = key >> 20;
+        if (valid && digit > s.bin1) set_bit(s.greater, bit);
+        const bool candidate = valid && digit == s.bin1;
+        count(s.hist2, key >> 10 & (kBins - 1), candidate);
+        if (s.in_shared) {
+            const int lane = threadIdx.x & 31;
+            const unsigned lanes = __ballot_sync(0xffffffffu, candidate);
+            const int leader = max(__ffs(lanes) - 1, 0);
+            unsigned slot = 0;
+            if (lanes && lane == leader) slot = atomicAdd(s.n_cand, __popc(lanes));
+            slot = __shfl_sync(0xffffffffu, slot, leader) + __popc(lanes & ((1u << lane) - 1));
+            if (candidate) s.cand_key[slot] = key, s.cand_at[slot] = bit;
+        }
+    }
+    if (P == kThirdDigit) count(s.hist3, key & (kBins - 1), valid && key >> 10 == s.prefix);
+    if (P == kMark) {
+        if (valid && key > s.tau) set_bit(s.greater, bit);
+        if (valid && key == s.tau) set_bit(s.ties, bit);
+    }
+}
+
+// visit<P> over the block's entries read from the row, every thread in step (warp-uniform trip counts);
+// the passes after the second see only the entries whose first digit is bin1.
+template <int P>
+__device__ __forceinline__ void each_entry(Share& s) {
+    for (int g0 = s.g_lo; g0 < s.g_hi; g0 += kUnroll * kSelectThreads) {
+        float4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int g = g0 + u * kSelectThreads + threadIdx.x;
+            v[u] = g < s.g_hi ? s.groups[g] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            if (g0 + u * kSelectThreads + static_cast<int>(threadIdx.x & ~31u) >= s.g_hi) continue;  // a warp with no entry
+            const int g = g0 + u * kSelectThreads + threadIdx.x, i = 4 * g - s.skew;
+            const float x[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const unsigned key = order_key(x[c]);
+                bool valid = g < s.g_hi && i + c >= 0 && i + c < s.visible;
+                if (P >= kThirdDigit) valid = valid && key >> 20 == s.bin1;
+                visit<P>(s, i + c - s.lo, key, valid);
+            }
+        }
+    }
+}
+
+// visit<P> over the entries whose first digit is bin1: the candidates, or the row again.
+template <int P>
+__device__ __forceinline__ void each_candidate(Share& s) {
+    if (!s.in_shared) {
+        each_entry<P>(s);
+        return;
+    }
+    const unsigned n = *s.n_cand;
+    for (unsigned base = 0; base < n; base += kSelectThreads) {
+        const unsigned i = base + threadIdx.x;
+        const bool valid = i < n;
+        visit<P>(s, valid ? s.cand_at[i] : 0, valid ? s.cand_key[i] : 0u, valid);
+    }
 }
 
 // selected [rows, topk]: the min(topk, visible) best entries of each row in ascending index order,
-// ties toward the lower index, then −1. One block per row: a 4-pass MSB radix select finds the
-// k-th largest key τ and how many entries equal to τ to take; one ordered pass compacts.
-__global__ void __launch_bounds__(kSelectThreads) indexer_topk(
-        int* selected, const float* scores, const int* pos, const int* req, int n_max, int topk, int ratio) {
-    __shared__ unsigned hist[256];
-    __shared__ unsigned found_key;
-    __shared__ int found_need;
-    const int t = blockIdx.x, lane = threadIdx.x & 31;
+// ties toward the lower index, then −1. Grid (kCluster, rows), kSelectThreads threads; dynamic shared
+// memory: two bitmaps of the block's share of entries, then `capacity` candidates (key and index).
+__global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kSelectThreads) indexer_topk(
+        int* selected, const float* scores, const int* pos, const int* req, int n_max, int topk, int ratio,
+        int capacity) {
+    extern __shared__ unsigned dyn[];
+    __shared__ __align__(16) unsigned hist1[kBins1];
+    __shared__ __align__(16) unsigned hist2[kBins];
+    __shared__ __align__(16) unsigned hist3[kBins];
+    __shared__ __align__(16) unsigned total[kBins1];
+    __shared__ unsigned n_cand, counts[2];
+    __shared__ Cut cut;
+    const int t = blockIdx.y, rank = blockIdx.x, tid = threadIdx.x;
     int* out = selected + static_cast<size_t>(t) * topk;
     const int visible = req[t] < 0 ? 0 : min((pos[t] + 1) / ratio, n_max);
     if (visible <= topk) {
-        for (int i = threadIdx.x; i < topk; i += blockDim.x) out[i] = i < visible ? i : -1;
+        for (int i = rank * kSelectThreads + tid; i < topk; i += kCluster * kSelectThreads) out[i] = i < visible ? i : -1;
         return;
     }
+    Share s;
     const float* row = scores + static_cast<size_t>(t) * n_max;
+    s.skew = static_cast<int>(reinterpret_cast<size_t>(row) >> 2 & 3);
+    s.groups = reinterpret_cast<const float4*>(row - s.skew);
+    s.visible = visible;
+    const int n_groups = (visible + s.skew + 3) / 4, share = (n_groups + kCluster - 1) / kCluster;
+    s.g_lo = min(n_groups, rank * share);
+    s.g_hi = min(n_groups, s.g_lo + share);
+    s.lo = 4 * s.g_lo - s.skew;
+    const int words = (share + 7) / 8;
+    s.hist1 = hist1, s.hist2 = hist2, s.hist3 = hist3, s.n_cand = &n_cand;
+    s.greater = dyn, s.ties = dyn + words, s.cand_key = dyn + 2 * words, s.cand_at = s.cand_key + capacity;
 
-    unsigned prefix = 0;  // the high bits of τ fixed so far
-    int need = topk;      // how many of the entries matching prefix still belong to the top-k
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
-        __syncthreads();
-        const unsigned high = shift == 24 ? 0u : ~0u << (shift + 8);
-        for (int base = 0; base < visible; base += blockDim.x) {
-            const int i = base + threadIdx.x;
-            const unsigned key = i < visible ? order_key(row[i]) : 0u;
-            const bool match = i < visible && (key & high) == prefix;
-            const unsigned bin = match ? (key >> shift) & 255u : 256u;
-            const unsigned peers = __match_any_sync(0xffffffffu, bin);  // one atomic per distinct bin and warp
-            if (match && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
-        }
-        __syncthreads();
-        if (threadIdx.x < 32) {
-            // Lane l owns bins 255 − 8l … 248 − 8l; counts accumulate from the top bin down.
-            unsigned local = 0;
-            for (int b = 0; b < 8; ++b) local += hist[255 - 8 * lane - b];
-            unsigned upto = local;
-            for (int o = 1; o < 32; o <<= 1) {
-                const unsigned v = __shfl_up_sync(0xffffffffu, upto, o);
-                if (lane >= o) upto += v;
-            }
-            unsigned above = upto - local;
-            if (above < static_cast<unsigned>(need) && static_cast<unsigned>(need) <= upto) {
-                for (int b = 0; b < 8; ++b) {
-                    const unsigned bin = 255 - 8 * lane - b, count = hist[bin];
-                    if (above + count >= static_cast<unsigned>(need)) {
-                        found_key = prefix | bin << shift;
-                        found_need = need - static_cast<int>(above);
-                        break;
-                    }
-                    above += count;
-                }
-            }
-        }
-        __syncthreads();
-        prefix = found_key;
-        need = found_need;
-    }
+    for (int i = tid; i < kBins1; i += kSelectThreads) hist1[i] = 0;
+    for (int i = tid; i < kBins; i += kSelectThreads) hist2[i] = hist3[i] = 0;
+    for (int i = tid; i < 2 * words; i += kSelectThreads) dyn[i] = 0;
+    if (tid == 0) n_cand = 0;
+    __syncthreads();
 
-    int taken = 0, ties_seen = 0;
-    for (int base = 0; base < visible; base += blockDim.x) {
-        const int i = base + threadIdx.x;
-        const unsigned key = i < visible ? order_key(row[i]) : 0u;
-        const bool tie = i < visible && key == prefix;
-        int ties, takes;
-        const int tie_rank = ties_seen + block_prefix(tie, ties);
-        const bool take = i < visible && (key > prefix || (tie && tie_rank < need));
-        const int slot = taken + block_prefix(take, takes);
-        if (take) out[slot] = i;
-        ties_seen += ties;
-        taken += takes;
+    each_entry<kFirstDigit>(s);
+    cluster_sync();
+    cluster_hist(hist1, total, kBins1);
+    const Cut c1 = find_cut(total, kBins1, topk, cut);
+    s.bin1 = c1.bin;
+    s.in_shared = !__syncthreads_or(tid < kCluster && cluster_load(cluster_addr(hist1 + c1.bin, tid)) > capacity);
+
+    each_entry<kCollect>(s);
+    cluster_sync();
+    cluster_hist(hist2, total, kBins);
+    const Cut c2 = find_cut(total, kBins, c1.need, cut);
+    s.prefix = c1.bin << 10 | c2.bin;
+
+    each_candidate<kThirdDigit>(s);
+    cluster_sync();
+    cluster_hist(hist3, total, kBins);
+    const Cut c3 = find_cut(total, kBins, c2.need, cut);
+    s.tau = s.prefix << 10 | c3.bin;  // the k-th largest key; c3.need entries equal to it are taken
+
+    each_candidate<kMark>(s);
+    __syncthreads();
+
+    // Thread tid owns bitmap words [w_lo, w_hi): counts in index order within the block, then across it.
+    unsigned* greater = s.greater;
+    const unsigned* ties = s.ties;
+    const int per_thread = (words + kSelectThreads - 1) / kSelectThreads;
+    const int w_lo = min(words, tid * per_thread), w_hi = min(words, w_lo + per_thread);
+    unsigned my_ties = 0, my_greater = 0;
+    for (int k = w_lo; k < w_hi; ++k) my_ties += __popc(ties[k]), my_greater += __popc(greater[k]);
+    unsigned block_ties, block_greater;
+    unsigned tie_rank = block_scan(my_ties, block_ties);
+    block_scan(my_greater, block_greater);
+    if (tid == 0) counts[0] = block_greater, counts[1] = block_ties;
+    cluster_sync();
+    // Ties go to the lowest indices: blocks before this one take theirs first.
+    int quota = c3.need, offset = 0;
+    for (int r = 0; r < rank; ++r) {
+        const int g = cluster_load(cluster_addr(&counts[0], r)), n = cluster_load(cluster_addr(&counts[1], r));
+        offset += g + min(max(quota, 0), n);
+        quota -= n;
     }
+    cluster_arrive();  // this block reads no other block's memory from here on
+    quota = min(max(quota, 0), static_cast<int>(block_ties));
+
+    unsigned my_selected = 0;
+    for (int k = w_lo; k < w_hi; ++k) {
+        unsigned take = ties[k];
+        const int n = __popc(take);
+        for (int extra = static_cast<int>(tie_rank) + n - quota; extra > 0 && take; --extra)
+            take &= ~(0x80000000u >> __clz(take));  // drop the highest-index ties beyond the quota
+        tie_rank += n;
+        greater[k] |= take;
+        my_selected += __popc(greater[k]);
+    }
+    unsigned block_selected;
+    int slot = offset + static_cast<int>(block_scan(my_selected, block_selected));
+    for (int k = w_lo; k < w_hi; ++k)
+        for (unsigned bits = greater[k]; bits; bits &= bits - 1) out[slot++] = s.lo + 32 * k + __ffs(bits) - 1;
+    cluster_wait();  // no block leaves while another may still read its counts
 }

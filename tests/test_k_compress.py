@@ -22,7 +22,9 @@ FLASH = ModelConfig.load(FIXTURES / "configs" / "deepseek-v4-flash.json")
 FLASH_INV_FREQ = FLASH.rope_inv_freq(2).astype(np.float32)  # a c4a layer's YaRN table (64 rope dims)
 # The stored entry is the only bf16 rounding of fusion 1 (its inputs are float32 GEMM outputs).
 ENTRY_TOL = {np.float32: 1e-5, BF16: 8e-3}
-SCORE_TOL = 1e-5  # both builds score the same (bf16-rounded) inputs in float32
+# The float build scores in exact float32; the bf16 build multiplies on the tensor cores, with q rounded
+# to bf16 after the kernel's rope (a caller-roped q is stored so too), 1.5e-3 on random data.
+SCORE_TOL = {np.float32: 1e-5, BF16: 5e-3}
 
 
 def inv_freq_table(rope_dim: int) -> np.ndarray:
@@ -348,25 +350,29 @@ def run_indexer(rt, dtype, requests, *, topk, rope_dim, rope_in_kernel, pad_rows
         n = len(r["pos"])
         mask = indexer_reference(r["keys"], q, r["x"], r["pos"], topk, inv_freq if rope_in_kernel else identity)
         q_eff = Rope(inv_freq)(q, r["pos"]) if rope_in_kernel else q
-        relu = np.maximum(np.einsum("thd,nd->thn", q_eff.astype(np.float64), r["keys"].astype(np.float64)), 0)
+        relu = np.maximum(q_eff.astype(np.float64) @ r["keys"].T.astype(np.float64), 0)
         ref_scores = np.einsum("th,thn->tn", index_weights(r["x"], dim).astype(np.float64), relu)
         results.append((sel[row:row + n], scores[row:row + n], mask, ref_scores, v))
         row += n
     return results
 
 
-def check_selection(results, topk, exact=False):
+def check_selection(results, topk, tol, exact=False):
+    """Scores within tol of float64 numpy; the selection exactly the top-k of the kernel's own scores
+    (ties toward the lower index); against the reference's selection exact, or differing only on
+    entries within tol of the k-th score."""
     flips = 0
     for sel, scores, mask, ref_scores, visible in results:
         for t in range(len(sel)):
             v, k = visible[t], min(topk, visible[t])
             got, want = scores[t, :v], ref_scores[t, :v]  # ‖a−b‖ ≤ tol·‖b‖: all-zero rows must be exact
-            assert np.isfinite(got).all() and np.linalg.norm(got - want) <= SCORE_TOL * np.linalg.norm(want), t
+            assert np.isfinite(got).all() and np.linalg.norm(got - want) <= tol * np.linalg.norm(want), t
+            own = np.sort(np.argsort(-got, kind="stable")[:k])
             ref = np.flatnonzero(mask[t])
             got = sel[t]
             assert np.all(got[k:] == -1) and len(ref) == k
             got = got[:k]
-            assert np.all(np.diff(got) > 0) and (k == 0 or (got[0] >= 0 and got[-1] < v)), got
+            assert np.array_equal(got, own), (t, np.setxor1d(got, own)[:8])
             if exact:
                 assert np.array_equal(got, ref), (t, got[:8], ref[:8])
                 continue
@@ -374,7 +380,7 @@ def check_selection(results, topk, exact=False):
             if len(differ):
                 s = ref_scores[t, :v]
                 kth = np.sort(s)[-k]
-                assert np.all(np.abs(s[differ] - kth) <= SCORE_TOL * np.abs(s).max()), (t, differ)
+                assert np.all(np.abs(s[differ] - kth) <= tol * np.abs(s).max()), (t, differ)
                 flips += len(differ)
     return flips
 
@@ -387,7 +393,8 @@ def test_indexer_flash_decode(rt, dtype):
     for n in [16384, 5000, 513, 512, 511, 100, 1, 0]:
         pos = 4 * n - 1 + int(rng.integers(0, 4)) if n else 2
         reqs.append(make_request(rng, dtype, n, [pos], 64, 128))
-    check_selection(run_indexer(rt, dtype, reqs, topk=512, rope_dim=64, rope_in_kernel=True, pad_rows=3), 512)
+    results = run_indexer(rt, dtype, reqs, topk=512, rope_dim=64, rope_in_kernel=True, pad_rows=3)
+    check_selection(results, 512, SCORE_TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -396,7 +403,7 @@ def test_indexer_flash_prefill_chunk(rt, dtype):
     rng = np.random.default_rng(12)
     p0, n = 1950, 200
     req = make_request(rng, dtype, (p0 + n) // 4, np.arange(p0, p0 + n), 64, 128)
-    check_selection(run_indexer(rt, dtype, [req], topk=512, rope_dim=64, rope_in_kernel=False), 512)
+    check_selection(run_indexer(rt, dtype, [req], topk=512, rope_dim=64, rope_in_kernel=False), 512, SCORE_TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -407,7 +414,7 @@ def test_indexer_odd_sizes(rt, dtype, heads, dim, rope_dim, topk):
     reqs = [make_request(rng, dtype, 25, np.arange(0, 100), heads, dim),
             make_request(rng, dtype, 21, np.arange(37, 87), heads, dim)]
     results = run_indexer(rt, dtype, reqs, topk=topk, rope_dim=rope_dim, rope_in_kernel=True, pad_rows=1)
-    check_selection(results, topk)
+    check_selection(results, topk, SCORE_TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -420,4 +427,44 @@ def test_indexer_ties_go_to_lower_indices(rt, dtype):
         keys = base[rng.integers(0, 3, n)]
         reqs.append(make_request(rng, dtype, n, [4 * n - 1, 4 * n - 5], 64, 128, keys=keys))
     reqs.append(make_request(rng, dtype, 1500, [5999, 3000], 64, 128, x=np.zeros((2, 64), np.float32)))
-    check_selection(run_indexer(rt, dtype, reqs, topk=512, rope_dim=64, rope_in_kernel=True), 512, exact=True)
+    results = run_indexer(rt, dtype, reqs, topk=512, rope_dim=64, rope_in_kernel=True)
+    check_selection(results, 512, SCORE_TOL[dtype], exact=True)
+
+
+LONG = 262144  # visible entries of a 1M-token context
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_indexer_long_context_one_row(rt, dtype):
+    rng = np.random.default_rng(21)
+    req = make_request(rng, dtype, LONG, [4 * LONG - 1], 64, 128)
+    results = run_indexer(rt, dtype, [req], topk=512, rope_dim=64, rope_in_kernel=True)
+    check_selection(results, 512, SCORE_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_indexer_long_context_rows(rt, dtype):
+    """Rows of two requests whose visible counts differ (n_max odd: rows start off float4 alignment);
+    the second request's keys come from 300 vectors, so the k-th score's ties cross the blocks' shares."""
+    rng = np.random.default_rng(22)
+    n, m = LONG - 1, 70001
+    a = make_request(rng, dtype, n, [4 * n - 1, 4 * n - 2000, 4 * n - 4001], 64, 128)
+    keys = rng.standard_normal((300, 128), dtype=np.float32)[rng.integers(0, 300, m)]
+    b = make_request(rng, dtype, m, [4 * m - 1, 4 * m - 9001], 64, 128, keys=keys)
+    results = run_indexer(rt, dtype, [a, b], topk=512, rope_dim=64, rope_in_kernel=True, pad_rows=1)
+    check_selection(results, 512, SCORE_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_indexer_long_context_ties(rt, dtype):
+    """Three distinct scores per row over 262,143 entries (identical keys score bit for bit the same), and
+    a row of zeros: no digit narrows the candidates, every pass reads the row."""
+    rng = np.random.default_rng(23)
+    base = rng.standard_normal((3, 128), dtype=np.float32)
+    n = LONG - 1
+    reqs = [make_request(rng, dtype, n, [4 * n - 1, 4 * n - 400], 64, 128, keys=base[rng.integers(0, 3, n)]),
+            make_request(rng, dtype, 100000, [4 * 100000 - 1], 64, 128, x=np.zeros((1, 64), np.float32))]
+    results = run_indexer(rt, dtype, reqs, topk=512, rope_dim=64, rope_in_kernel=True)
+    scores, visible = results[0][1], results[0][4]
+    assert all(len(np.unique(scores[t, :visible[t]])) == 3 for t in range(2))
+    check_selection(results, 512, SCORE_TOL[dtype])
