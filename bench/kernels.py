@@ -9,6 +9,7 @@ random values tiled from one random block; expert weights a constant (12.9 GB of
 Prints a table and writes bench/results/kernels.json.
 """
 import argparse
+import itertools
 import statistics
 
 import ml_dtypes
@@ -120,18 +121,17 @@ def per_batch(b: Bench, blas: Blas, B: int):
                                       HC, D, 1e-6, 1e-6, 20), B * HC * D * T + fn.nbytes + B * D * T)
     b.record("hc_post", B, 0, hc_k.post(b.dev, BF16, X.ptr, X.ptr, x.ptr, post.ptr, comb.ptr, B, HC, D),
              2 * B * HC * D * T + B * D * T)
-    gemms = [("gemm wq_a 4096>1024", D, QL, BF16), ("gemm wq_b 1024>32768", QL, H * HD, BF16),
-             ("gemm wkv 4096>512", D, HD, BF16), ("gemm compressor 4096>1024 f32", D, 2 * HD, F32),
-             ("gemm wo_b 8192>4096", G * OL, D, BF16), ("gemm head 4096>129280 f32", D, V, F32)]
-    for name, k, n, out in filter(lambda g: b.wants(g[0]), gemms):
-        xa, wa, ya = b.buf(B * k * T), b.buf(n * k * T), b.buf(B * n * out.itemsize, fill=False)
-        b.record(name, B, 0, linear(blas, BF16, xa.ptr, wa.ptr, ya.ptr, B, n, k, out),
-                 (B * k + n * k) * T + B * n * out.itemsize, 2 * B * n * k)
-        for z in (xa, wa, ya):
-            z.free()
-    o, wo, t = b.buf(B * H * HD * T), b.buf(G * OL * (H * HD // G) * T), b.buf(B * G * OL * T, fill=False)
-    b.record("gemm wo_a grouped 8x4096>1024", B, 0, grouped_linear(blas, BF16, o.ptr, wo.ptr, t.ptr, B, G, OL, H * HD // G),
-             (o.nbytes + wo.nbytes + t.nbytes), 2 * B * G * OL * (H * HD // G))
+    gemms = [("gemm wq_a 4096>1024", D, QL, BF16, 1), ("gemm wq_b 1024>32768", QL, H * HD, BF16, 1),
+             ("gemm wkv 4096>512", D, HD, BF16, 1), ("gemm compressor 4096>1024 f32", D, 2 * HD, F32, 1),
+             ("gemm compressor 4096>256 f32", D, 2 * DI, F32, 1),
+             ("gemm indexer wq_b 1024>8192", QL, NI * DI, BF16, 1), ("gemm weights_proj 4096>64 f32", D, NI, F32, 1),
+             ("gemm wo_b 8192>4096", G * OL, D, BF16, 1), ("gemm wo_a grouped 8x4096>1024", H * HD // G, OL, BF16, G),
+             ("gemm head 4096>129280 f32", D, V, F32, 1)]
+    cublas = Blas(b.rt.arena)
+    for name, k, n, out, groups in filter(lambda g: b.wants(g[0]), gemms):
+        for suffix, lib in (("", blas), (" cublas", cublas)):
+            gemm_row(b, lib, name + suffix, B, k, n, out, groups)
+    cublas.close()
     # Faithful fp8 linears: the activation quantiser, then the GEMM on e4m3 weight bytes (random bytes: the
     # time does not depend on the values) with e8m0 tile scales. B > 16 reads the weight once per 16 rows.
     fp8s = [("fp8 wq_a 4096>1024", D, QL), ("fp8 wq_b 1024>32768", QL, H * HD), ("fp8 wkv 4096>512", D, HD),
@@ -153,6 +153,25 @@ def per_batch(b: Bench, blas: Blas, B: int):
     seed, step, out = b.host(np.arange(B, dtype=np.uint64)), b.host(np.zeros(B, np.uint64)), b.buf(B * 4, fill=False)
     b.record("sample top-p", B, 0, sample(b.dev, out.ptr, logits.ptr, B, V, temp.ptr, topk.ptr, topp.ptr, seed.ptr,
                                           step.ptr), B * V * 4)
+
+
+def gemm_row(b: Bench, blas: Blas, name: str, B: int, k: int, n: int, out, groups: int):
+    """y [B, groups, n] = x [B, groups, k] · w[g]ᵀ as gemm.linear or grouped_linear run it (the skinny kernel for
+    small B when `blas` has the device, else cuBLAS). Calls rotate over copies of the weight filling 256 MB, so
+    that the larger ones come from HBM as in a decode step rather than from L2."""
+    T, wbytes = BF16.itemsize, groups * n * k * BF16.itemsize
+    copies = max(1, min(b.reps, (256 << 20) // wbytes))
+    xa, wa, ya = b.buf(B * groups * k * T), b.buf(copies * wbytes), b.buf(B * groups * n * out.itemsize, fill=False)
+    if groups == 1:
+        runs = [linear(blas, BF16, xa.ptr, wa.ptr + c * wbytes, ya.ptr, B, n, k, out) for c in range(copies)]
+    else:
+        runs = [grouped_linear(blas, BF16, xa.ptr, wa.ptr + c * wbytes, ya.ptr, B, groups, n, k, out)
+                for c in range(copies)]
+    turn = itertools.cycle(runs)
+    b.record(name, B, 0, lambda st: next(turn)(st), wbytes + B * groups * (k * T + n * out.itemsize),
+             2 * B * groups * n * k)
+    for z in (xa, wa, ya):
+        z.free()
 
 
 def moe(b: Bench, blas: Blas, B: int):
@@ -199,8 +218,7 @@ def per_context(b: Bench, B: int, C: int):
     selected = b.host(sel)
     for mode, cache, chosen, ratio, keys in (("c4a", c4a, selected.ptr, 4, W + TOPK), ("c128a", c128a, None, 128, W + n128),
                                              ("sliding", None, None, 0, W)):
-        tiles = -(-keys // 16)
-        splits = max(1, min(tiles, -(-4 * b.dev.sm_count // (B * 8))))
+        splits = attn_k.attention_splits(B, H, keys, BF16, b.dev.sm_count)   # as GpuModel chooses
         ws = b.rt.arena.alloc(max(16, attn_k.attention_workspace_bytes(B, H, HD, splits)))
         run = attn_k.sparse_attention(b.dev, BF16, o.ptr, q.ptr, pos.ptr, req.ptr, sink.ptr, inv.ptr, window, cache,
                                       chosen, rows=B, heads=H, head_dim=HD, rope_dim=RD, window_size=W, ratio=ratio,
@@ -214,6 +232,9 @@ def per_context(b: Bench, B: int, C: int):
                                 heads=NI, head_dim=DI, topk=TOPK, n_max=n4, ratio=4, inv_freq=inv.ptr, rope_dim=RD)
     b.record("indexer scores + top-512", B, C, run, B * n4 * DI * T + 2 * B * n4 * 4 + B * TOPK * 4,
              2 * B * n4 * NI * DI)
+    score, select = run.launches   # each alone; the top-k reads the scores the runs above left
+    b.record("indexer scores", B, C, score, B * n4 * DI * T + B * n4 * 4, 2 * B * n4 * NI * DI)
+    b.record("indexer top-512", B, C, select, B * n4 * 4 + B * TOPK * 4)
 
 
 def main():
@@ -228,7 +249,7 @@ def main():
     a = ap.parse_args()
     batches, contexts = [int(v) for v in a.batches.split(",")], [int(v) for v in a.contexts.split(",")]
     with Runtime(arena_bytes=40 << 30) as rt:
-        b, blas = Bench(rt, a.reps, [p for p in a.only.split(",") if p]), Blas(rt.arena)
+        b, blas = Bench(rt, a.reps, [p for p in a.only.split(",") if p]), Blas(rt.arena, rt.device)
         copy, mm = a.copy_gbps, matrix_rate(b, blas)
         for B in batches:
             per_batch(b, blas, B)

@@ -39,7 +39,7 @@ def rt():
 @pytest.fixture(scope="module")
 def blas(rt):
     from dsv4rt.model.gemm import Blas
-    b = Blas(rt.arena)
+    b = Blas(rt.arena, rt.device)
     yield b
     b.close()
 
