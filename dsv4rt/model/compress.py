@@ -14,12 +14,17 @@ POOL_THREADS = 512        # the most threads of a compress block; wider entries 
 INDEX_HEADS = 64          # kHeads of indexer.cu: heads of one score block
 KEY_TILE = 64             # kKeys
 SCORE_THREADS = 256
-SELECT_THREADS = 512
-MAX_GRID_Y = 65535
 WAVES = 4                 # score blocks per SM to aim for when splitting rows over key tiles
+MMA_DIM = 128             # kMmaDim: head_dim of the bf16 tensor-core score kernel
+MMA_STAGES = 4            # kStages
+MMA_BLOCKS_PER_SM = 2     # its __launch_bounds__ minimum: one wave of blocks streams all keys
+CLUSTER = 8               # kCluster: top-k blocks per row
+SELECT_THREADS = 512
+CANDIDATES = 3072         # top-k candidates a block holds in shared memory (24 KB)
+MAX_GRID_Y = 65535
 
 _POOL = ("compress_pool<float>", "compress_pool<__nv_bfloat16>")
-_INDEXER = ("indexer_scores<float>", "indexer_scores<__nv_bfloat16>", "indexer_topk")
+_INDEXER = ("indexer_scores<float>", "indexer_scores<__nv_bfloat16>", "indexer_scores_mma", "indexer_topk")
 
 
 def state_keep_from(length: int, ratio: int, overlap: bool) -> int:
@@ -68,7 +73,8 @@ def indexer_select(device: Device, dtype, selected: int, scores: int, q: int, w:
     scaled by head_dim^-0.5 · heads^-0.5); keys: the indexer-key cache. scores: float32 workspace
     [rows, n_max], n_max at least every row's visible count (pos+1)//ratio (the kernels clamp to it).
     selected: int32 [rows, topk], the min(topk, visible) best entries in ascending index order, ties
-    toward the lower index, then -1.
+    toward the lower index, then -1. The bf16 build at head_dim 128 scores on the tensor cores (q rounded to
+    bf16 after the rope); the others in exact float32.
     """
     if not (0 < heads <= INDEX_HEADS and head_dim % 8 == 0 and 0 <= rope_dim <= head_dim and rope_dim % 2 == 0):
         raise ValueError(f"indexer: heads {heads} ≤ {INDEX_HEADS}, head_dim {head_dim} % 8 == 0, even rope_dim")
@@ -76,25 +82,39 @@ def indexer_select(device: Device, dtype, selected: int, scores: int, q: int, w:
         raise ValueError(f"indexer: {rows} query rows, at most {MAX_GRID_Y} per launch (grid y)")
     if rows == 0:
         return LaunchSequence()
-    t = storage_name(dtype)
-    score = device.kernel("indexer", f"indexer_scores<{t}>", _INDEXER)
-    shared = (INDEX_HEADS + KEY_TILE) * (head_dim + 4) * 4   # q and key tiles as float32, rows padded by 4
-    _allow_shared(score, shared)
+    common = [*keys.args(), ctypes.c_void_p(positions), ctypes.c_void_p(req), ctypes.c_void_p(inv_freq or 0),
+              ctypes.c_int(rope_dim if inv_freq else 0), ctypes.c_int(heads)]
     tiles = max(1, -(-n_max // KEY_TILE))
-    splits = min(tiles, max(1, -(-WAVES * device.sm_count // rows)))
-    score_args = [ctypes.c_void_p(scores), ctypes.c_void_p(q), ctypes.c_void_p(w), *keys.args(),
-                  ctypes.c_void_p(positions), ctypes.c_void_p(req), ctypes.c_void_p(inv_freq or 0),
-                  ctypes.c_int(rope_dim if inv_freq else 0), ctypes.c_int(heads),
-                  ctypes.c_int(head_dim), ctypes.c_int(n_max), ctypes.c_int(ratio)]
+    if np.dtype(dtype) != np.float32 and head_dim == MMA_DIM:
+        score = device.kernel("indexer", "indexer_scores_mma", _INDEXER)
+        shared = MMA_STAGES * KEY_TILE * (MMA_DIM + 8) * 2   # bf16 key tiles, rows padded by 16 bytes
+        splits = min(tiles, max(1, MMA_BLOCKS_PER_SM * device.sm_count // rows))
+        score_args = [ctypes.c_void_p(scores), ctypes.c_void_p(q), ctypes.c_void_p(w), *common,
+                      ctypes.c_int(n_max), ctypes.c_int(ratio)]
+    else:
+        score = device.kernel("indexer", f"indexer_scores<{storage_name(dtype)}>", _INDEXER)
+        # q and key tiles as float32, rows padded by 4; the rope table
+        shared = (INDEX_HEADS + KEY_TILE) * (head_dim + 4) * 4 + head_dim // 2 * 8
+        splits = min(tiles, max(1, -(-WAVES * device.sm_count // rows)))
+        score_args = [ctypes.c_void_p(scores), ctypes.c_void_p(q), ctypes.c_void_p(w), *common,
+                      ctypes.c_int(head_dim), ctypes.c_int(n_max), ctypes.c_int(ratio)]
+    _allow_shared(score, shared)
     select = device.kernel("indexer", "indexer_topk", _INDEXER)
+    share = -(-((n_max + 6) // 4) // CLUSTER)   # float4 groups of a block's share of the row
+    candidates = min(CANDIDATES, 4 * share)
+    select_shared = 2 * (-(-share // 8) + candidates) * 4   # two bitmaps, candidate keys and indices
+    _allow_shared(select, select_shared)
     select_args = [ctypes.c_void_p(selected), ctypes.c_void_p(scores), ctypes.c_void_p(positions),
-                   ctypes.c_void_p(req), ctypes.c_int(n_max), ctypes.c_int(topk), ctypes.c_int(ratio)]
+                   ctypes.c_void_p(req), ctypes.c_int(n_max), ctypes.c_int(topk), ctypes.c_int(ratio),
+                   ctypes.c_int(candidates)]
     return LaunchSequence(score.bind((splits, rows), SCORE_THREADS, score_args, shared=shared),
-                          select.bind(rows, SELECT_THREADS, select_args))
+                          select.bind((CLUSTER, rows), SELECT_THREADS, select_args, shared=select_shared))
 
 
 def _allow_shared(kernel, nbytes: int):
-    if nbytes > 48 * 1024:
-        d = drv()
-        check(d.cuFuncSetAttribute(kernel.function,
-                                   d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes))
+    """Dynamic shared memory beyond 48 KB less the kernel's static share needs the opt-in; only ever raised,
+    since launches bound (and graphs captured) earlier may need more."""
+    d = drv()
+    attr = d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if nbytes > check(d.cuFuncGetAttribute(attr, kernel.function)):
+        check(d.cuFuncSetAttribute(kernel.function, attr, nbytes))
