@@ -6,6 +6,7 @@
 // dsv4rt-instantiate: moe_skinny<float,true> moe_skinny<float,false>
 // dsv4rt-instantiate: moe_skinny<__nv_bfloat16,true> moe_skinny<__nv_bfloat16,false>
 #include "common.cuh"
+#include "moe.cuh"
 
 // Mixture of experts (MODEL.md section 8) without host synchronisation: routing, a counting sort of
 // the (token, slot) pairs by expert, grouped GEMMs over the sorted rows, a weighted combine.
@@ -122,16 +123,6 @@ __global__ void __launch_bounds__(1024) moe_sort(int* offsets, int* tile_offsets
 }
 
 constexpr int kTileN = 64, kTileK = 32, kGemmThreads = 256;
-
-// The expert of a row tile: the last one whose tiles start at or before it.
-__device__ __forceinline__ int tile_expert(const int* tile_offsets, int experts, int tile) {
-    int e = 0;
-    for (int hi = experts - 1; e < hi;) {
-        const int mid = (e + hi + 1) >> 1;
-        if (tile_offsets[mid] <= tile) e = mid; else hi = mid - 1;
-    }
-    return e;
-}
 
 // Loads of one k-tile, 16 bytes per vector, held in registers while the previous tile is computed.
 template <typename T, int ROWS>

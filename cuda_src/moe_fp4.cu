@@ -1,9 +1,8 @@
 // dsv4rt-instantiate: moe_fp4_skinny<float,2> moe_fp4_skinny<float,1> moe_fp4_skinny<__nv_bfloat16,1>
 #include <cuda_fp8.h>
-#include "fp8.cu"  // the e4m3 pieces: load_stream, word, mma_e4m3
-namespace moe {    // tile_expert; the namespace keeps its load_stream apart from fp8.cu's
-#include "moe.cu"
-}
+#include "common.cuh"
+#include "fp8.cuh"
+#include "moe.cuh"
 
 // The routed experts of the faithful decode MoE (MODEL.md sections 8 and 9) on their weights as released: packed
 // e2m1 [n, k/2] (low nibble = even column) with an e8m0 scale per 1 x 32, against activations from act_quant (e4m3
@@ -73,7 +72,7 @@ __global__ void __launch_bounds__(32 * kFp4MaxWarps)
     __shared__ float partial[kFp4MaxWarps][M][kFp4Rows * 16];
     const int tile = blockIdx.y;
     if (tile >= tile_offsets[experts]) return;
-    const int e = moe::tile_expert(tile_offsets, experts, tile);
+    const int e = tile_expert(tile_offsets, experts, tile);
     const int row0 = offsets[e] + (tile - tile_offsets[e]) * kFp4Rows, rows = min(kFp4Rows, offsets[e + 1] - row0);
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
