@@ -25,9 +25,13 @@ __device__ __forceinline__ int cluster_rank() {
     return static_cast<int>(r);
 }
 
-// A barrier of every thread of the cluster that also orders their shared-memory writes before it.
+// A barrier of every thread of the cluster that also orders their shared-memory writes before it, in two
+// halves so that a block may work between announcing its writes and waiting for everyone else's.
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+    cluster_arrive();
+    cluster_wait();
 }
 
 // The float at the address of `local` in the shared memory of the cluster's block `rank`.
@@ -386,6 +390,8 @@ __global__ void __cluster_dims__(kHcSplit, 1, 1) __launch_bounds__(kHcThreads)
         v[tok][r] *= rsqrtf(v[tok][R] / K + eps);
     }
     __syncthreads();
+    // Rank 0 adds nothing to the norm's sums: it arrives at once, so its serial Sinkhorn holds nobody up.
+    if (xn != nullptr && rank == 0) cluster_arrive();
     mix<HC, R>(v, pre, post, comb, base, scale, t0, nb, hc_eps, iters, rank == 0);
     if (rank > 0) combine<T, HC>(u, x, pre, t0, nb, dim, rank - 1, kHcSplit - 1);
     if (xn == nullptr) return;
@@ -405,7 +411,8 @@ __global__ void __cluster_dims__(kHcSplit, 1, 1) __launch_bounds__(kHcThreads)
         for (int w = 0; w < kHcThreads / 32; ++w) s += warp_sq[w][threadIdx.x];
         block_sq[threadIdx.x] = s;
     }
-    cluster_sync();
+    if (rank > 0) cluster_arrive();
+    cluster_wait();
     if (threadIdx.x < NT) {
         float s = 0.f;
         for (int q = 1; q < kHcSplit; ++q) s += cluster_load(&block_sq[threadIdx.x], q);
