@@ -76,9 +76,11 @@ class GpuModel:
         self.allocator = SlabAllocator(kv_bytes, self.plan.class_page_bytes, slab_bytes)
         self.blocks = BlockManager(self.plan, self.allocator)
         self.tables = PageTables(rt.arena, self.plan, self.allocator, max_len, max_batch)
-        self.blas, self.side_blas = Blas(rt.arena, rt.device), Blas(rt.arena, rt.device)
-        self.side = Stream()
-        self.fork, self.join = Event(timing=False), Event(timing=False)
+        # The compressor and the indexer run on streams of their own beside the query projections: at decode
+        # sizes every kernel is latency-bound, so side by side they overlap.
+        self.blas, self.side_blas, self.index_blas = (Blas(rt.arena, rt.device) for _ in range(3))
+        self.side, self.index_side = Stream(), Stream()
+        self.fork, self.q_ready, self.side_done, self.index_done = (Event(timing=False) for _ in range(4))
         self._rope_tables()
         self._experts()
         self._workspace()
@@ -226,26 +228,30 @@ class GpuModel:
         self._hc_pre(p + "hc_attn", p + "attn_norm.weight", T)
         a = p + "attn."
         hd, H, rd = c.head_dim, c.num_heads, c.rope_dim
+        kind, ratio = c.kinds[i], c.ratios[i]
+        compressed = selected = None
+        joins = []
+        if kind != SLIDING:
+            main = "compressed_c4a" if kind == CSA else "compressed_c128a"
+            state = "state_main_c4a" if kind == CSA else "state_c128a"
+            compressed = self.cache(main, i)
+            self.side.wait(st.record(self.fork))
+            self._compress(a + "compressor.", compressed, self.cache(state, i), i, T, hd, ratio, kind == CSA,
+                           ws["a"], ws["z"], self.side_blas, self.side)
+            joins.append(self.side.record(self.side_done))
         linear(self.blas, dt, ws["xn"], W[a + "wq_a.weight"].ptr, ws["qa"], T, c.q_lora_rank, c.hidden_size)(st)
         ops.rmsnorm(dev, dt, ws["qr"], ws["qa"], W[a + "q_norm.weight"].ptr, T, c.q_lora_rank, c.eps)(st)
+        if kind == CSA:
+            st.record(self.q_ready)       # before the indexer stream's wait for it is issued
+            joins.append(self._indexer(i, T))
+            selected = ws["selected"]
         linear(self.blas, dt, ws["qr"], W[a + "wq_b.weight"].ptr, ws["q"], T, H * hd, c.q_lora_rank)(st)
         linear(self.blas, dt, ws["xn"], W[a + "wkv.weight"].ptr, ws["kv"], T, hd, c.hidden_size)(st)
         window = self.cache("window", i)
         attn_k.qkv_norm_rope_insert(dev, dt, ws["q"], ws["kv"], W[a + "kv_norm.weight"].ptr, ws["pos"], ws["req"],
                                     self.inv_freq[i], window, rows=T, heads=H, head_dim=hd, rope_dim=rd, eps=c.eps)(st)
-        kind, ratio = c.kinds[i], c.ratios[i]
-        compressed = selected = None
-        if kind != SLIDING:
-            main = "compressed_c4a" if kind == CSA else "compressed_c128a"
-            state = "state_main_c4a" if kind == CSA else "state_c128a"
-            compressed = self.cache(main, i)
-            if kind == CSA:
-                joined = self._indexer(i, T)
-            self._compress(a + "compressor.", compressed, self.cache(state, i), i, T, hd, ratio, kind == CSA,
-                           ws["a"], ws["z"], self.blas, st)
-            if kind == CSA:
-                st.wait(joined)
-                selected = ws["selected"]
+        for done in joins:
+            st.wait(done)
         attn_k.sparse_attention(dev, dt, ws["o"], ws["q"], ws["pos"], ws["req"], W[a + "attn_sink"].ptr,
                                 self.inv_freq[i], window, compressed, selected, rows=T, heads=H, head_dim=hd,
                                 rope_dim=rd, window_size=c.window, ratio=ratio, top_k=c.index_topk,
@@ -268,21 +274,23 @@ class GpuModel:
         self._hc_post(T)
 
     def _indexer(self, i: int, T: int) -> Event:
-        """The indexer branch on its own stream; returns the event attention waits for."""
-        c, ws, side, dt, W = self.cfg, self.ws, self.side, self.dtype, self.w
-        side.wait(self.rt.stream.record(self.fork))
+        """The indexer branch on its own stream, from the fork (xn ready) and q_ready (qr ready) events;
+        returns the event attention waits for."""
+        c, ws, side, dt, W, blas = self.cfg, self.ws, self.index_side, self.dtype, self.w, self.index_blas
+        side.wait(self.fork)
         x = f"layers.{i}.attn.indexer."
         nI, dI = c.index_n_heads, c.index_head_dim
         self._compress(x + "compressor.", self.cache("indexer", i), self.cache("state_indexer", i), i, T, dI,
-                       c.csa_ratio, True, ws["ia"], ws["iz"], self.side_blas, side)
-        linear(self.side_blas, dt, ws["qr"], W[x + "wq_b.weight"].ptr, ws["iq"], T, nI * dI, c.q_lora_rank)(side)
-        linear(self.side_blas, dt, ws["xn"], W[x + "weights_proj.weight"].ptr, ws["iw"], T, nI, c.hidden_size, F32,
+                       c.csa_ratio, True, ws["ia"], ws["iz"], blas, side)
+        linear(blas, dt, ws["xn"], W[x + "weights_proj.weight"].ptr, ws["iw"], T, nI, c.hidden_size, F32,
                alpha=dI ** -0.5 * nI ** -0.5)(side)
+        side.wait(self.q_ready)
+        linear(blas, dt, ws["qr"], W[x + "wq_b.weight"].ptr, ws["iq"], T, nI * dI, c.q_lora_rank)(side)
         comp_k.indexer_select(self.rt.device, dt, ws["selected"], ws["scores"], ws["iq"], ws["iw"],
                               self.cache("indexer", i), ws["pos"], ws["req"], rows=T, heads=nI, head_dim=dI,
                               topk=c.index_topk, n_max=self.n_max, ratio=c.csa_ratio, inv_freq=self.inv_freq[i],
                               rope_dim=c.rope_dim)(side)
-        return side.record(self.join)
+        return side.record(self.index_done)
 
     def _compress(self, prefix, out, state, i, T, width, ratio, overlap, a, z, blas, stream):
         c, ws, W = self.cfg, self.ws, self.w
