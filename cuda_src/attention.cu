@@ -1,6 +1,7 @@
 // dsv4rt-instantiate: sparse_attention<float> sparse_attention<__nv_bfloat16>
 // dsv4rt-instantiate: attention_combine<float> attention_combine<__nv_bfloat16>
-#include "attention.cuh"
+// dsv4rt-instantiate: sparse_attention<__nv_bfloat16,true>
+#include "kv_fp8.cuh"
 
 // K = V is one vector per key shared by every head (MQA), so a block serves one query token and
 // kBlockHeads of its heads: each key crosses from the cache into shared memory once per block, and each
@@ -14,6 +15,10 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all_but_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
@@ -51,7 +56,9 @@ struct Candidates {
 // split the block writes out [rows, heads, hd]; with more it writes its unnormalised sum, running max and
 // denominator to part_o [rows, heads, splits, hd] and part_ml [rows, heads, splits] for attention_combine.
 // A row with req < 0 has no candidates: it writes zeros (or empty partials) and reads no cache.
-template <typename T>
+// Fp8Kv (bf16 only): the caches hold 8-byte aligned faithful-mode entries (kv_fp8.cuh); a tile keeps them
+// encoded, 2 * kTileKeys<T> * kv_fp8_bytes(hd, rd) bytes of shared memory, and the key loads dequantise.
+template <typename T, bool Fp8Kv = false>
 __global__ void __launch_bounds__(kAttnWarps * 32)
 sparse_attention(T* out, float* part_o, float2* part_ml, const T* q, const int* positions, const int* req,
                  const float* sink, const float* inv_freq,
@@ -62,6 +69,7 @@ sparse_attention(T* out, float* part_o, float2* part_ml, const T* q, const int* 
     constexpr int V = kVec<T>, C = kLaneChunks<T>, TILE = kTileKeys<T>, HPW = kHeadsPerWarp;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* tiles = reinterpret_cast<T*>(smem_raw);  // [2][TILE][hd]
+    const int kv_bytes = Fp8Kv ? kv_fp8_bytes(hd, rd) : 0;  // Fp8Kv: tiles [2][TILE][kv_bytes]
     __shared__ bool present[2][TILE];
     const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int r = req[t], m = positions[t];
@@ -108,12 +116,23 @@ sparse_attention(T* out, float* part_o, float2* part_ml, const T* q, const int* 
             const int k = k0 + j;
             const char* src = k < k_end ? cand.entry(k) : nullptr;
             if (lane == 0) present[buf][j] = src != nullptr;
-            if (src)
-                for (int c = lane; c * V < hd; c += 32) cp_async16(tiles + (buf * TILE + j) * hd + c * V, src + c * 16);
+            if (src) {
+                if constexpr (Fp8Kv)
+                    for (int c = lane; c * 8 < kv_bytes; c += 32)
+                        cp_async8(smem_raw + (buf * TILE + j) * kv_bytes + c * 8, src + c * 8);
+                else
+                    for (int c = lane; c * V < hd; c += 32)
+                        cp_async16(tiles + (buf * TILE + j) * hd + c * V, src + c * 16);
+            }
         }
         cp_async_commit();
     };
-    auto load_key = [&](const T* row, float (&k)[C][V]) { load_lane_row(row, hd, lane, k); };
+    auto load_key = [&](const T* row, int buf, int j, float (&k)[C][V]) {
+        if constexpr (Fp8Kv)
+            load_kv_fp8(smem_raw + (buf * TILE + j) * kv_bytes, hd, rd, lane, k);
+        else
+            load_lane_row(row, hd, lane, k);
+    };
 
     if (n_tiles > 0) load_tile(k_begin, 0);
     for (int it = 0; it < n_tiles; ++it) {
@@ -133,7 +152,7 @@ sparse_attention(T* out, float* part_o, float2* part_ml, const T* q, const int* 
             for (int hh = 0; hh < HPW; ++hh) s[hh][j] = neg_inf();
             if (!here[j]) continue;
             float k[C][V];
-            load_key(tile + j * hd, k);
+            load_key(tile + j * hd, it & 1, j, k);
 #pragma unroll
             for (int hh = 0; hh < HPW; ++hh) {
                 float dot = 0.f;
@@ -163,7 +182,7 @@ sparse_attention(T* out, float* part_o, float2* part_ml, const T* q, const int* 
         for (int j = 0; j < TILE; ++j) {
             if (!here[j]) continue;
             float k[C][V];
-            load_key(tile + j * hd, k);
+            load_key(tile + j * hd, it & 1, j, k);
 #pragma unroll
             for (int hh = 0; hh < HPW; ++hh) {
                 const float p = expf(s[hh][j] - mx[hh]);
@@ -205,39 +224,47 @@ sparse_attention(T* out, float* part_o, float2* part_ml, const T* q, const int* 
     }
 }
 
+// Four floats of a row as T at p (16 bytes of float, 8 of bf16).
+__device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+__device__ __forceinline__ void store4(__nv_bfloat16* p, const float (&v)[4]) {
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
+    *reinterpret_cast<uint2*>(p) = make_uint2(*reinterpret_cast<const unsigned*>(&lo), *reinterpret_cast<const unsigned*>(&hi));
+}
+
 // Merges the splits of sparse_attention with the sink, normalises, applies the inverse RoPE and writes
-// out [rows, heads, hd]: a warp per (token, head), grid ceil(rows * heads / kCombineWarps).
+// out [rows, heads, hd]: a warp per (token, head, 128 dims), lane l owning 4 of them, so that a decode
+// step's few rows still spread over many SMs; grid ceil(rows * heads * ceil(hd / 128) / kCombineWarps).
 template <typename T>
 __global__ void __launch_bounds__(kCombineWarps * 32)
 attention_combine(T* out, const float* part_o, const float2* part_ml, const float* sink, const int* positions,
                   const float* inv_freq, int rows, int heads, int hd, int rd, int splits) {
-    constexpr int V = kVec<T>, C = kLaneChunks<T>;
-    const int lane = threadIdx.x & 31;
-    const long long row = static_cast<long long>(blockIdx.x) * kCombineWarps + (threadIdx.x >> 5);
-    if (row >= static_cast<long long>(rows) * heads) return;
+    const int lane = threadIdx.x & 31, quarters = (hd + 127) / 128;
+    const long long warp = static_cast<long long>(blockIdx.x) * kCombineWarps + (threadIdx.x >> 5);
+    if (warp >= static_cast<long long>(rows) * heads * quarters) return;
+    const long long row = warp / quarters;
     const int h = static_cast<int>(row % heads), pos = positions[row / heads];
+    const int d0 = static_cast<int>(warp % quarters) * 128 + 4 * lane;
     const float2* ml = part_ml + row * splits;
     float top = sink[h];
-    for (int z = 0; z < splits; ++z) top = fmaxf(top, ml[z].x);
-    float l = expf(sink[h] - top), o[C][V] = {};
+    for (int z = lane; z < splits; z += 32) top = fmaxf(top, ml[z].x);
+    top = warp_max(top);
+    float l = 0.f;
+    for (int z = lane; z < splits; z += 32) l += ml[z].y == 0.f ? 0.f : ml[z].y * expf(ml[z].x - top);
+    l = warp_sum(l) + expf(sink[h] - top);
+    if (d0 >= hd) return;
+    float o[4] = {};
+#pragma unroll 4
     for (int z = 0; z < splits; ++z) {
-        if (ml[z].y == 0.f) continue;  // an empty split left its partial sum unwritten
-        const float a = expf(ml[z].x - top);
-        l += ml[z].y * a;
-        float part[C][V];
-        load_lane_row(part_o + (row * splits + z) * hd, hd, lane, part);
-#pragma unroll
-        for (int i = 0; i < C; ++i)
-#pragma unroll
-            for (int e = 0; e < V; ++e) o[i][e] += a * part[i][e];
+        const float2 m = ml[z];
+        if (m.y == 0.f) continue;  // an empty split left its partial sum unwritten
+        const float a = expf(m.x - top);
+        const float4 p = *reinterpret_cast<const float4*>(part_o + (row * splits + z) * hd + d0);
+        o[0] += a * p.x, o[1] += a * p.y, o[2] += a * p.z, o[3] += a * p.w;
     }
 #pragma unroll
-    for (int i = 0; i < C; ++i) {
-        const int d0 = (lane + 32 * i) * V;
-        if (d0 >= hd) continue;
-#pragma unroll
-        for (int e = 0; e < V; ++e) o[i][e] /= l;
-        rope_chunk(o[i], d0, hd, rd, pos, inv_freq, true);
-        store_vec(out + row * hd + d0, o[i]);
-    }
+    for (int e = 0; e < 4; ++e) o[e] /= l;
+    rope_chunk(o, d0, hd, rd, pos, inv_freq, true);
+    store4(out + row * hd + d0, o);
 }

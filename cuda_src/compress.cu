@@ -1,5 +1,7 @@
 // dsv4rt-instantiate: compress_pool<float> compress_pool<__nv_bfloat16>
+// dsv4rt-instantiate: compress_pool<float,true> compress_pool<__nv_bfloat16,true>
 #include "compress.cuh"
+#include "kv_fp8.cuh"
 
 // The KV compressor of MODEL.md section 5 fused with its RMSNorm, RoPE and cache insert.
 //
@@ -13,6 +15,8 @@
 //  * the row's (a, z) goes into the state cache iff a later chunk still reads it:
 //    p ≥ r·⌊L/r⌋ − (c−1)·r with L the request's length after this launch (CacheKind.keep_from(L)).
 // Reads of the state cache touch positions before this launch's rows only, writes its rows only.
+// Fp8Kv (the main cache, width <= kMaxHeadDim): `out` holds faithful-mode entries (kv_fp8.cuh); the first warp
+// norms, ropes and encodes the pooled entry, a lane's chunks as in attention.cuh.
 
 struct Candidate {
     const float* a;    // nullptr: absent (the previous window of entry 0)
@@ -20,7 +24,7 @@ struct Candidate {
     const float* ape;
 };
 
-template <typename T>
+template <typename T, bool Fp8Kv = false>
 __global__ void __launch_bounds__(512) compress_pool(
         char* out_base, const long long* out_pages, const int* out_start, int out_per_page, int out_entry_bytes,
         char* state_base, const long long* state_pages, const int* state_start, int state_per_page,
@@ -92,6 +96,21 @@ __global__ void __launch_bounds__(512) compress_pool(
     }
     const float scale = 1.f / sqrtf(block_sum(ss) / width + eps);
 
+    if constexpr (Fp8Kv) {
+        if (threadIdx.x >= 32) return;
+        constexpr int V = kVec<T>, C = kLaneChunks<T>;
+        float v[C][V];
+#pragma unroll
+        for (int i = 0; i < C; ++i) {
+            const int d0 = (threadIdx.x + 32 * i) * V;
+#pragma unroll
+            for (int k = 0; k < V; ++k) v[i][k] = d0 + k < width ? pooled[d0 + k] * scale * norm[d0 + k] : 0.f;
+            if (d0 < width) rope_chunk(v[i], d0, width, rope_dim, j * ratio, inv_freq, false);
+        }
+        store_kv_entry<T>(paged_entry(out_base, out_pages + out_start[request], out_per_page, out_entry_bytes, j), v,
+                          width, rope_dim, threadIdx.x);
+        return;
+    }
     T* dst = reinterpret_cast<T*>(
         paged_entry(out_base, out_pages + out_start[request], out_per_page, out_entry_bytes, j));
     const int rope_from = width - rope_dim;

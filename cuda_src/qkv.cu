@@ -1,5 +1,6 @@
 // dsv4rt-instantiate: qkv_norm_rope_insert<float> qkv_norm_rope_insert<__nv_bfloat16>
-#include "attention.cuh"
+// dsv4rt-instantiate: qkv_norm_rope_insert<float,true> qkv_norm_rope_insert<__nv_bfloat16,true>
+#include "kv_fp8.cuh"
 
 constexpr int kQkvWarps = 8;
 
@@ -8,7 +9,8 @@ constexpr int kQkvWarps = 8;
 //   q [rows, heads, hd] in place: q = rope(q * rsqrt(mean(q^2) + eps), pos)
 //   kv [rows, hd] -> rope(rmsnorm(kv, kv_weight), pos), stored at window-cache entry pos of the token's request.
 // Rows with req < 0 are padding: their warps touch nothing. A kv row whose page is not held is not stored.
-template <typename T>
+// Fp8Kv: the window holds faithful-mode entries (kv_fp8.cuh), entry_bytes apart.
+template <typename T, bool Fp8Kv = false>
 __global__ void __launch_bounds__(kQkvWarps * 32)
 qkv_norm_rope_insert(T* q, const T* kv, const float* kv_weight, const int* positions, const int* req,
                      const float* inv_freq, char* window_base, const long long* window_pages, const int* page_start,
@@ -59,6 +61,8 @@ qkv_norm_rope_insert(T* q, const T* kv, const float* kv_weight, const int* posit
 #pragma unroll
         for (int j = 0; j < V; ++j) v[i][j] = v[i][j] * scale * g[j];
         rope_chunk(v[i], d0, hd, rd, pos, inv_freq, false);
-        store_vec(dst + d0, v[i]);
+        if (!Fp8Kv || is_q) store_vec(dst + d0, v[i]);
     }
+    if constexpr (Fp8Kv)
+        if (!is_q) store_kv_entry<T>(reinterpret_cast<char*>(dst), v, hd, rd, lane);
 }

@@ -16,32 +16,62 @@ TILE_BYTES = 16384             # one shared-memory key tile at head_dim 512; two
 QKV_WARPS = 8
 COMBINE_WARPS = 8
 
-_QKV = tuple(f"qkv_norm_rope_insert<{t}>" for t in ("float", "__nv_bfloat16"))
-_ATTENTION = tuple(f"{k}<{t}>" for k in ("sparse_attention", "attention_combine") for t in ("float", "__nv_bfloat16"))
+KV_BLOCK = 64                  # kKvBlock of kv_fp8.cuh: nope dims per e8m0 scale
+
+_QKV = tuple(f"qkv_norm_rope_insert<{t}{f}>" for f in ("", ",true") for t in ("float", "__nv_bfloat16"))
+_ATTENTION = (*(f"{k}<{t}>" for k in ("sparse_attention", "attention_combine") for t in ("float", "__nv_bfloat16")),
+              "sparse_attention<__nv_bfloat16,true>")
 
 
-def _check_shape(dtype, head_dim: int, rope_dim: int, caches, pointers):
+def packed_kv(dtype, fp8_kv: bool) -> bool:
+    """Whether the main-cache entries are the packed 584-byte layout (faithful numerics, bf16 build)."""
+    return fp8_kv and np.dtype(dtype).itemsize == 2
+
+
+def kv_entry_bytes(dtype, head_dim: int, rope_dim: int, fp8_kv: bool = False) -> int:
+    """Bytes of one main-cache entry (window row or compressed entry) as the kernels store it; a cache's
+    entries may lie further apart.
+
+    fp8_kv (faithful numerics, MODEL.md section 9) stores the nope dims rounded onto e4m3 with a ue8m0
+    scale per 64 dims. The bf16 build packs them as reference.layouts.encode_kv does (584 B at head_dim
+    512: e4m3 codes, rope dims in bf16, scale bytes, padding to 8 B). The float32 build, the one checked
+    against the float32 faithful reference at 1e-4, keeps float32 rows whose nope dims hold the dequantised
+    e4m3 values and whose rope dims stay unrounded: exactly the values of reference.quant.kv_round, with the
+    same size and reads as the exact float32 build. (Packing there would round the rope dims to bf16, a
+    2e-3 error the reference does not make.)"""
+    if not packed_kv(dtype, fp8_kv):
+        return head_dim * np.dtype(dtype).itemsize
+    nope = head_dim - rope_dim
+    return -(-(nope + 2 * rope_dim + -(-nope // KV_BLOCK)) // 8) * 8
+
+
+def _check_shape(dtype, head_dim: int, rope_dim: int, caches, pointers, fp8_kv: bool = False):
     vec = 16 // np.dtype(dtype).itemsize
     if not (0 < head_dim <= MAX_HEAD_DIM and head_dim % vec == 0):
         raise ValueError(f"head_dim {head_dim} must be a multiple of {vec} up to {MAX_HEAD_DIM}")
     if not (0 <= rope_dim <= head_dim and rope_dim % 2 == 0):
         raise ValueError(f"rope_dim {rope_dim} must be even and at most head_dim {head_dim}")
+    packed = packed_kv(dtype, fp8_kv)
+    if packed and (head_dim - rope_dim) % 8:
+        raise ValueError(f"packed fp8 entries need head_dim - rope_dim ({head_dim - rope_dim}) a multiple of 8")
+    need, align = kv_entry_bytes(dtype, head_dim, rope_dim, fp8_kv), 8 if packed else 16
     for c in caches:
-        if c.entry_bytes % 16 or c.entry_bytes < head_dim * np.dtype(dtype).itemsize or c.per_page <= 0:
-            raise ValueError(f"cache entries of {c.entry_bytes} B cannot hold {head_dim} 16-byte aligned elements")
+        if c.entry_bytes % align or c.entry_bytes < need or c.per_page <= 0:
+            raise ValueError(f"cache entries of {c.entry_bytes} B cannot hold {need} B {align}-byte aligned")
     if any(p % 16 for p in pointers if p):
         raise ValueError("device rows, weights and cache bases must be 16-byte aligned")
 
 
 def qkv_norm_rope_insert(device: Device, dtype, q: int, kv: int, kv_norm_weight: int, positions: int, req: int,
                          inv_freq: int, window: PagedCache, *, rows: int, heads: int, head_dim: int, rope_dim: int,
-                         eps: float) -> Launch:
+                         eps: float, fp8_kv: bool = False) -> Launch:
     """Fusion 3: q [rows, heads, hd] in place gets the weightless head RMSNorm and RoPE; kv [rows, hd]
-    gets RMSNorm (float32 weight [hd]) and RoPE and is stored at window entry positions[t] of request req[t].
-    Rows with req < 0 are left alone. One warp per query head and per kv row."""
-    _check_shape(dtype, head_dim, rope_dim, [window], [q, kv, kv_norm_weight, window.base])
+    gets RMSNorm (float32 weight [hd]) and RoPE and is stored at window entry positions[t] of request req[t]
+    (fp8_kv: rounded and stored as kv_entry_bytes describes). Rows with req < 0 are left alone. One warp per
+    query head and per kv row."""
+    _check_shape(dtype, head_dim, rope_dim, [window], [q, kv, kv_norm_weight, window.base], fp8_kv)
     t = storage_name(dtype)
-    k = device.kernel("qkv", f"qkv_norm_rope_insert<{t}>", _QKV)
+    k = device.kernel("qkv", f"qkv_norm_rope_insert<{t}{',true' if fp8_kv else ''}>", _QKV)
     warps = rows * (heads + 1)
     args = [ctypes.c_void_p(q), ctypes.c_void_p(kv), ctypes.c_void_p(kv_norm_weight), ctypes.c_void_p(positions),
             ctypes.c_void_p(req), ctypes.c_void_p(inv_freq), *window.args(), ctypes.c_int(rows), ctypes.c_int(heads),
@@ -49,12 +79,14 @@ def qkv_norm_rope_insert(device: Device, dtype, q: int, kv: int, kv_norm_weight:
     return k.bind(max(1, -(-warps // QKV_WARPS)), QKV_WARPS * 32, args)
 
 
-def attention_splits(rows: int, heads: int, max_keys: int, dtype, sm_count: int, waves: int = 2) -> int:
+def attention_splits(rows: int, heads: int, max_keys: int, dtype, sm_count: int, waves: int = 2,
+                     min_tiles: int = 4) -> int:
     """How many blocks share each (row, head block)'s keys: enough for `waves` blocks per SM when rows are
-    few (decode), at most one key tile each. Depends on shapes only, so a graph's launch stays valid."""
+    few (decode), but at least `min_tiles` key tiles each, since every split writes a float32 partial row
+    per head that attention_combine reads back. Depends on shapes only, so a graph's launch stays valid."""
     tile_keys = TILE_BYTES // (MAX_HEAD_DIM * np.dtype(dtype).itemsize)
     blocks = rows * -(-heads // BLOCK_HEADS)
-    return max(1, min(-(-waves * sm_count // blocks), -(-max_keys // tile_keys)))
+    return max(1, min(-(-waves * sm_count // blocks), -(-max_keys // (min_tiles * tile_keys))))
 
 
 def attention_workspace_bytes(rows: int, heads: int, head_dim: int, splits: int) -> int:
@@ -65,13 +97,15 @@ def attention_workspace_bytes(rows: int, heads: int, head_dim: int, splits: int)
 def sparse_attention(device: Device, dtype, out: int, q: int, positions: int, req: int, sink: int, inv_freq: int,
                      window: PagedCache, compressed: PagedCache | None = None, selected: int | None = None, *,
                      rows: int, heads: int, head_dim: int, rope_dim: int, window_size: int, ratio: int = 0,
-                     top_k: int = 0, splits: int = 1, workspace: int = 0) -> Launch | LaunchSequence:
+                     top_k: int = 0, splits: int = 1, workspace: int = 0, fp8_kv: bool = False
+                     ) -> Launch | LaunchSequence:
     """out [rows, heads, hd] = inverse-RoPE(softmax attention of q [rows, heads, hd]) over the window
     entries max(0, m-window_size+1) .. m, the compressed entries (compressed given, `ratio` > 0: every
     visible one, or the row's `top_k` int32 choices in `selected` [rows, top_k], -1 for none) and the
     float32 `sink` [heads]. Rows with req < 0 get zeros. `splits` > 1 divides each row's keys among that
     many blocks (decode batches too small to fill the GPU) and needs a `workspace` of
-    attention_workspace_bytes(); a second launch merges them."""
+    attention_workspace_bytes(); a second launch merges them. fp8_kv: both caches hold faithful-mode
+    entries (kv_entry_bytes); the bf16 build dequantises packed ones in its key loads."""
     if compressed is None and (ratio or selected):
         raise ValueError("compressed entries need the compressed cache")
     if compressed is not None and ratio <= 0:
@@ -83,10 +117,11 @@ def sparse_attention(device: Device, dtype, out: int, q: int, positions: int, re
     if splits > 1 and not workspace:
         raise ValueError("splits > 1 needs a workspace")
     caches = [window] + ([compressed] if compressed else [])
-    _check_shape(dtype, head_dim, rope_dim, caches, [out, q, workspace, *(c.base for c in caches)])
+    _check_shape(dtype, head_dim, rope_dim, caches, [out, q, workspace, *(c.base for c in caches)], fp8_kv)
     t = storage_name(dtype)
     itemsize = np.dtype(dtype).itemsize
     tile_keys = TILE_BYTES // (MAX_HEAD_DIM * itemsize)
+    packed = packed_kv(dtype, fp8_kv)
     cmp = compressed or PagedCache(0, 0, 0, 1, 16)
     part_o = workspace if splits > 1 else 0
     part_ml = part_o + rows * heads * splits * head_dim * 4 if splits > 1 else 0
@@ -95,14 +130,14 @@ def sparse_attention(device: Device, dtype, out: int, q: int, positions: int, re
             *window.args(), *cmp.args(), ctypes.c_void_p(selected or 0), ctypes.c_int(top_k),
             ctypes.c_int(ratio if compressed else 0), ctypes.c_int(window_size), ctypes.c_int(heads),
             ctypes.c_int(head_dim), ctypes.c_int(rope_dim), ctypes.c_float(np.float32(head_dim ** -0.5))]
-    main = device.kernel("attention", f"sparse_attention<{t}>", _ATTENTION).bind(
+    main = device.kernel("attention", f"sparse_attention<{t}{',true' if packed else ''}>", _ATTENTION).bind(
         (rows, -(-heads // BLOCK_HEADS), max(1, splits)), ATTENTION_THREADS, args,
-        shared=2 * tile_keys * head_dim * itemsize)
+        shared=2 * tile_keys * kv_entry_bytes(dtype, head_dim, rope_dim, fp8_kv))
     if splits <= 1:
         return main
     combine_args = [ctypes.c_void_p(out), ctypes.c_void_p(part_o), ctypes.c_void_p(part_ml), ctypes.c_void_p(sink),
                     ctypes.c_void_p(positions), ctypes.c_void_p(inv_freq), ctypes.c_int(rows), ctypes.c_int(heads),
                     ctypes.c_int(head_dim), ctypes.c_int(rope_dim), ctypes.c_int(splits)]
     combine = device.kernel("attention", f"attention_combine<{t}>", _ATTENTION).bind(
-        -(-rows * heads // COMBINE_WARPS), COMBINE_WARPS * 32, combine_args)
+        -(-rows * heads * -(-head_dim // 128) // COMBINE_WARPS), COMBINE_WARPS * 32, combine_args)
     return LaunchSequence(main, combine)

@@ -8,6 +8,7 @@ import numpy as np
 from ..cuda.device import Device, Launch
 from ..cuda.driver import check, drv
 from ..cuda.ops import storage_name
+from .attention import MAX_HEAD_DIM, kv_entry_bytes, packed_kv
 from .paged import LaunchSequence, PagedCache
 
 POOL_THREADS = 512        # the most threads of a compress block; wider entries loop over channels
@@ -23,7 +24,8 @@ SELECT_THREADS = 512
 CANDIDATES = 3072         # top-k candidates a block holds in shared memory (24 KB)
 MAX_GRID_Y = 65535
 
-_POOL = ("compress_pool<float>", "compress_pool<__nv_bfloat16>")
+_POOL = ("compress_pool<float>", "compress_pool<__nv_bfloat16>", "compress_pool<float,true>",
+         "compress_pool<__nv_bfloat16,true>")
 _INDEXER = ("indexer_scores<float>", "indexer_scores<__nv_bfloat16>", "indexer_scores_mma", "indexer_topk")
 
 
@@ -36,7 +38,7 @@ def state_keep_from(length: int, ratio: int, overlap: bool) -> int:
 
 def compress_pool(device: Device, dtype, out: PagedCache, state: PagedCache, a: int, z: int, ape: int, norm: int,
                   inv_freq: int, positions: int, req: int, *, rows: int, width: int, ratio: int, overlap: bool,
-                  rope_dim: int, eps: float) -> Launch | LaunchSequence:
+                  rope_dim: int, eps: float, fp8_kv: bool = False) -> Launch | LaunchSequence:
     """Fusion 1 over `rows` tokens (req[t] < 0: padding; each request's rows contiguous, consecutive positions).
 
     a, z: float32 [rows, c·width] (c = 2 if overlap), z without ape; ape float32 [ratio, c·width];
@@ -44,18 +46,25 @@ def compress_pool(device: Device, dtype, out: PagedCache, state: PagedCache, a: 
     a row here is pooled (earlier candidates from `state`: float32 [a | z] per raw position), normed,
     roped at r·j and stored into `out` (storage dtype, `width` per entry). Rows at positions
     ≥ state_keep_from(length after this launch) are copied into `state`; those before the launch's
-    first row are read from it and must be held there.
+    first row are read from it and must be held there. fp8_kv (the main cache in faithful numerics, width at
+    most 512 and a multiple of 8): entries rounded and stored as model.attention.kv_entry_bytes describes.
     """
     if not (width > 0 and 0 <= rope_dim <= width and rope_dim % 2 == 0 and width % 2 == 0):
         raise ValueError(f"width {width} and rope_dim {rope_dim} must be even, rope_dim ≤ width")
     c = 2 if overlap else 1
     if state.entry_bytes < 2 * c * width * 4:
         raise ValueError(f"state entries of {state.entry_bytes} B cannot hold a and z ({2 * c * width} floats)")
-    if out.entry_bytes < width * np.dtype(dtype).itemsize:
+    if fp8_kv:
+        need, align = kv_entry_bytes(dtype, width, rope_dim, True), 8 if packed_kv(dtype, True) else 16
+        if width > MAX_HEAD_DIM or width % 8 or rope_dim % 8 or out.entry_bytes < need or out.entry_bytes % align:
+            raise ValueError(f"fp8 entries need width ≤ {MAX_HEAD_DIM} and rope_dim multiples of 8 and "
+                             f"{align}-byte aligned entries of at least {need} B (width {width}, rope_dim "
+                             f"{rope_dim}, {out.entry_bytes} B)")
+    elif out.entry_bytes < width * np.dtype(dtype).itemsize:
         raise ValueError(f"cache entries of {out.entry_bytes} B cannot hold {width} elements")
     if rows == 0:
         return LaunchSequence()
-    k = device.kernel("compress", f"compress_pool<{storage_name(dtype)}>", _POOL)
+    k = device.kernel("compress", f"compress_pool<{storage_name(dtype)}{',true' if fp8_kv else ''}>", _POOL)
     shared = c * ratio * 24 + width * 4   # a Candidate (3 pointers) per pooled position, the pooled entry
     args = [*out.args(), *state.args(), *(ctypes.c_void_p(p) for p in (a, z, ape, norm, inv_freq, positions, req)),
             ctypes.c_int(rows), ctypes.c_int(width), ctypes.c_int(ratio), ctypes.c_int(int(overlap)),
