@@ -167,8 +167,8 @@ def test_random_schedules_keep_tables_and_allocator_in_step(schedule):
 @pytest.mark.parametrize("numerics", ["exact", "faithful"])
 @pytest.mark.parametrize("config", ["configs/deepseek-v4-flash.json", "real-ratios/config.json"])
 def test_decode_steps_that_reuse_pages_hold_exactly_what_the_step_needs(config, numerics):
-    """place() skips recomputing a kind's columns until its next possible change; the pages held must
-    still be CacheKind.columns of every step, through decode runs broken by chunks of every size."""
+    """place() takes a decode step's moves after a decode step from a table by length phase; the pages
+    held must still be CacheKind.columns of every step, through decode runs broken by chunks of every size."""
     cfg = from_dict(json.loads((FIXTURES / config).read_text()))
     m = manager(cfg, 4096, numerics=numerics)
     rng, L = np.random.default_rng(0), 0

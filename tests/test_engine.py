@@ -5,19 +5,27 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from conftest import TINY_A, rel_rows, soak
+from dsv4rt.chat import EOS
 from dsv4rt.config import ModelConfig
 from dsv4rt.engine import Engine, PrefixCache, Request, Scheduler, Status, block_hashes
+from dsv4rt.engine.gpu_runner import GpuRunner
 from dsv4rt.kv.blocks import BlockManager
 from dsv4rt.kv.plan import build_plan
 from dsv4rt.kv.slab import SlabAllocator
+from dsv4rt.model.forward import Entry
+from dsv4rt.model.inputs import DecodeRows, SamplingArrays, StepInputs
+from dsv4rt.model.tables import PageTables
 from dsv4rt.reference.sampling import SamplingParams
 from dsv4rt.tiny import make_tiny
+from test_blocks import HostArena
 
 ROOT = Path(__file__).resolve().parents[1]
 SLAB = 16 << 10       # 4 large pages of the tiny models: a few slabs make a cramped cache
@@ -162,7 +170,7 @@ class RandomRunner:
             assert self.fed.get(r.id, 0) == r.computed or r.computed == 0
             assert (r.computed + n) % 256 == 0 or (r.computed + n) // 256 == r.computed // 256   # one block at most
             self.fed[r.id] = r.computed + n
-        return {r.id: int(self.rng.integers(0, 16)) for r, n in step if r.computed + n == r.num_tokens}
+        return [int(self.rng.integers(0, 16)) if r.computed + n == r.num_tokens else None for r, n in step]
 
     def release(self, request_id):
         self.fed.pop(request_id, None)
@@ -185,6 +193,132 @@ def test_soak_random_requests_and_aborts(tiny):
     _, aborted = soak(e, rng, 200, shared, arrivals=4, max_new=21, shared_share=0.5, vocab=1000)
     assert e.scheduler.preemptions > 0 and aborted and e.prefix.stats.hits > 0
     assert used_pages(e.scheduler.blocks) == [0, 0, 0] and not e.prefix._held
+
+
+def test_step_inputs_of_decode_rows_equal_those_of_entries():
+    rng = np.random.default_rng(7)
+    n = 5
+    slot, ids, pos = rng.permutation(8)[:n], rng.integers(2, 1000, n), rng.integers(0, 5000, n)
+    sampling = SamplingArrays(rng.random(n, np.float32), rng.integers(0, 50, n, np.int32), rng.random(n, np.float32),
+                              rng.integers(0, 1 << 62, n, np.uint64), rng.integers(0, 100, n, np.uint64))
+    entries = [Entry(int(s), np.array([i], np.int32), int(p)) for s, i, p in zip(slot, ids, pos)]
+    rows = DecodeRows(slot.astype(np.int32), ids.astype(np.int32), pos.astype(np.int32))
+    for kw in (dict(pad_to=8, sampling=sampling), dict(every_row=False, sampling=sampling), dict(every_row=False)):
+        a, b = StepInputs(16), StepInputs(16)
+        a.host[:], b.host[:] = 0xAB, 0xCD            # what earlier steps left
+        assert a.fill(entries, **kw) == b.fill(rows, **kw) and a.n_out == b.n_out
+        T = kw.get("pad_to", n)
+        for name, view in a.view.items():
+            if name == "tokens":                      # the sampler's output
+                continue
+            rows_written = T if name in ("ids", "pos", "req") else a.n_out
+            assert np.array_equal(view[:rows_written], b.view[name][:rows_written]), (kw, name)
+        assert list(a.view["req"][:T]) == list(slot) + [-1] * (T - n)
+        given = sampling.temperature if "sampling" in kw else np.zeros(n, np.float32)
+        assert list(a.view["temperature"][:a.n_out]) == list(given) + [0.0] * (a.n_out - n)
+
+
+def next_token(token, pos, seed, step):
+    """What HostModel samples: a function of the output row's inputs (1 is EOS)."""
+    token, pos, seed, step = (np.asarray(x).astype(np.int64) for x in (token, pos, seed, step))
+    return (token * 31 + pos * 7 + seed * 13 + step * 3) % 40 + 1
+
+
+class HostModel:
+    """GpuModel's host side, for the GPU runner without a GPU: the block manager, page tables in host
+    memory, the step inputs; each launch checks the page tables of its rows' slots and 'samples'
+    next_token of every output row's inputs."""
+
+    def __init__(self, blocks: BlockManager, max_batch: int, rows: int, max_len: int):
+        self.blocks, self.allocator, self.max_batch, self.rows = blocks, blocks.allocator, max_batch, rows
+        self.tables = PageTables(HostArena(), blocks.plan, blocks.allocator, max_len, max_batch)
+        self.inputs, self.rt = StepInputs(rows), SimpleNamespace(stream=None)
+        self.check_tables = None      # a GPU runner: each launch checks the tables of its slots
+        self.uploads = Counter()      # by (rows as DecodeRows, padded)
+
+    def upload(self, entries, pad_to=0, every_row=True, sampling=None):
+        self.uploads[isinstance(entries, DecodeRows), pad_to > len(entries)] += 1
+        return self.inputs.fill(entries, pad_to, every_row, sampling)
+
+    def launch(self, T, n_out, sample):
+        if self.check_tables is None:
+            return
+        owner = {slot: rid for rid, slot in self.check_tables.slots.items()}
+        device = self.tables.device.bytes.view(np.int64).reshape(self.max_batch, -1)
+        for slot in set(self.inputs.view["req"][:T].tolist()) - {-1}:
+            for (kind, layer), (at, cols, k) in self.tables.at.items():
+                ids = self.blocks.table(owner[slot], kind, layer)[:cols]
+                assert np.array_equal(device[slot, at:at + len(ids)], self.allocator.offsets(ids, k.size_class))
+
+    def outputs(self, n, every_row=False, sampled=False):
+        assert sampled
+        v = self.inputs.view
+        rows = v["out_rows"][:n]
+        return next_token(v["ids"][rows], v["pos"][rows], v["seed"][:n], v["step"][:n]).astype(np.int32)
+
+    def run(self, entries, *, every_row=False, sampling=None, pad_to=0):
+        T = self.upload(entries, pad_to, every_row, sampling)
+        self.launch(T, self.inputs.n_out, sampling is not None)
+        return self.outputs(len(entries), every_row, sampling is not None)
+
+
+def host_gpu_engine(model, **kw) -> Engine:
+    """A CPU engine whose runner is the GPU runner over HostModel (no prefix cache: snapshots are device copies)."""
+    e = Engine(model, prefix_cache_blocks=0, **kw)
+    s = e.scheduler
+    e.runner = GpuRunner(HostModel(s.blocks, s.max_running, max(s.token_budget, s.max_running), 4096), graphs=False)
+    return e
+
+
+def test_gpu_runner_uploads_each_rows_token_position_slot_and_sampling(tiny):
+    """The GPU runner's host side through decode, padded, mixed and preempted steps with aborts: every
+    token is next_token of the request's previous token, position, seed and tokens generated so far,
+    and the page tables a launch reads show the pages of its rows' requests."""
+    rng = np.random.default_rng(6)
+    e = host_gpu_engine(tiny, kv_bytes=16 * SLAB, slab_bytes=SLAB, token_budget=48, max_running=12)
+    e.runner.model.check_tables = e.runner
+    requests, aborted = soak(e, rng, 150, rng.integers(2, 1000, 300), arrivals=4, max_new=40, shared_share=0.3,
+                             vocab=1000)
+    assert e.scheduler.preemptions > 0 and aborted
+    assert set(e.runner.model.uploads) == {(True, True), (True, False), (False, False)}
+    for r in requests:
+        tokens = list(r.prompt)
+        for k, token in enumerate(r.generated):
+            assert token == next_token(tokens[-1], len(tokens) - 1, r.sample_seed, k), (r.id, k)
+            tokens.append(token)
+        if r.finish_reason == "stop":
+            assert next_token(tokens[-1], len(tokens) - 1, r.sample_seed, len(r.generated)) == EOS
+    assert used_pages(e.scheduler.blocks) == [0, 0, 0] and not e.runner.slots
+
+
+def test_decode_steps_repeated_without_deciding_equal_steps_decided_afresh():
+    """The scheduler reuses the last step's decodes while every running request decodes and none waits;
+    a scheduler that decides every step gets the same steps through arrivals, stops, aborts, preemption."""
+    def drive(fresh: bool) -> list:
+        s, rng, log = scheduler(slabs=24, budget=24, max_running=12), np.random.default_rng(8), []
+        live = []
+        for i in range(800):
+            for _ in range(rng.poisson(0.25) if i < 600 else 0):
+                live.append(request(len(live), int(rng.integers(1, 20)), max_new=int(rng.integers(1, 40))))
+                s.add(live[-1])
+            if live and rng.random() < 0.02:
+                s.abort(live[rng.integers(len(live))].id)
+            if fresh:
+                s._decodes = None
+            step = s.schedule()
+            log.append([(r.id, n) for r, n in step])
+            for r, n in step:
+                r.computed += n
+                if not r.remaining:
+                    if rng.random() < 0.05:
+                        s.finish(r, "stop")
+                        continue
+                    r.generated.append(7)
+                    if len(r.generated) == r.params.max_new_tokens:
+                        s.finish(r, "length")
+        assert s.preemptions > 0 and sum(len(step) > 4 for step in log) > 100 and not len(s)
+        return log
+    assert drive(fresh=False) == drive(fresh=True)
 
 
 def test_block_hashes_are_chained():

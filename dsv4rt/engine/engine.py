@@ -102,23 +102,25 @@ class Engine:
             if self._live:
                 raise RuntimeError("the scheduler made no progress with requests pending")
             return []
+        positions = 0
         for request, _ in step:
+            positions += request.computed
             if request.resume is not None:
                 self.runner.restore(request.id, request.resume)
                 request.resume = None
-        self.step_shapes[len(step), sum(r.computed for r, _ in step) // len(step) // 1024 * 1024] += 1
+        self.step_shapes[len(step), positions // len(step) // 1024 * 1024] += 1
         tokens = self.runner.run(step)
-        finished = []
-        for request, n in step:
+        now = time.perf_counter()          # the step's tokens all arrive now
+        finished, prefix = [], self.prefix
+        for (request, n), token in zip(step, tokens):
             request.computed += n
-            if self.prefix is not None and request.computed % BLOCK_POSITIONS == 0:
+            if prefix is not None and request.computed % BLOCK_POSITIONS == 0:
                 self._remember(request)
             if request.remaining:          # a prefill chunk short of the last token: nothing to sample
                 continue
-            token = tokens[request.id]
-            request.token_times.append(time.perf_counter())
+            request.token_times.append(now)
             if request.first_token_at is None:
-                request.first_token_at = request.token_times[0]
+                request.first_token_at = now
             if token != EOS:
                 request.generated.append(token)
             if token == EOS or len(request.generated) >= request.params.max_new_tokens:

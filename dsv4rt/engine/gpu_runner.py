@@ -16,7 +16,8 @@ from ..cuda.driver import check, drv
 from ..kv.slab import DEFAULT_SLAB_BYTES
 from ..model.forward import Entry, GpuModel
 from ..model.graphs import DecodeGraphs
-from ..model.inputs import SamplingArrays
+from ..model.inputs import DecodeRows, SamplingArrays
+from .request import Request
 from .scheduler import Step
 
 DTYPES = {"bf16": ml_dtypes.bfloat16, "float32": np.float32}
@@ -40,6 +41,10 @@ class GpuRunner:
         self.logits: dict[Hashable, np.ndarray] = {}
         self.slots: dict[Hashable, int] = {}
         self.free_slots = list(range(model.max_batch - 1, -1, -1))
+        # each slot's sampling settings, written when a request takes it: a step gathers those of its rows
+        B = model.max_batch
+        self.temperature, self.top_k = np.zeros(B, np.float32), np.zeros(B, np.int32)
+        self.top_p, self.seed = np.ones(B, np.float32), np.zeros(B, np.uint64)
 
     @classmethod
     def build(cls, model_dir, dtype: str, kv_bytes: int, max_running: int, token_budget: int, max_len: int,
@@ -53,33 +58,44 @@ class GpuRunner:
                          max_batch=max_running, step_rows=max(token_budget, max_running), slab_bytes=slab_bytes)
         return cls(model, graphs)
 
-    def run(self, step: Step) -> dict[Hashable, int]:
+    def run(self, step: Step) -> list[int]:
         m = self.model
-        entries, sampled = [], []
+        tables, blocks, stream = m.tables, m.blocks, m.rt.stream
+        shown, version = tables.versions, blocks.version
+        slots, ids, pos, generated, tokens = [], [], [], [], 0
         for request, n in step:
             slot = self.slots.get(request.id)
             if slot is None:
-                if not self.free_slots:        # preempted requests hold no pages: their slots are free
-                    for other in [k for k in self.slots if k not in m.blocks]:
-                        self.release(other)
-                slot = self.slots[request.id] = self.free_slots.pop()
-            m.tables.refresh(slot, m.blocks, request.id, m.rt.stream)
-            ids = np.asarray(request.tokens(request.computed, request.computed + n), np.int32)
-            entries.append(Entry(slot, ids, request.computed))
-            sampled.append(request)
-        p = [r.params for r in sampled]
-        sampling = SamplingArrays(
-            temperature=np.array([x.temperature for x in p], np.float32), top_k=np.array([x.top_k for x in p], np.int32),
-            top_p=np.array([x.top_p for x in p], np.float32),
-            seed=np.array([r.sample_seed for r in sampled], np.uint64),
-            step=np.array([len(r.generated) for r in sampled], np.uint64))
-        if all(len(e.ids) == 1 for e in entries):
-            tokens = self.graphs.run(entries, sampling)
+                slot = self._take_slot(request)
+            if shown[slot] != version(request.id):     # the refresh's own check, without a call per request
+                tables.refresh(slot, blocks, request.id, stream)
+            slots.append(slot)
+            ids.append(request.token(request.computed))
+            pos.append(request.computed)
+            generated.append(len(request.generated))
+            tokens += n
+        slot = np.array(slots, np.int32)
+        sampling = SamplingArrays(self.temperature[slot], self.top_k[slot], self.top_p[slot], self.seed[slot],
+                                  np.array(generated, np.uint64))
+        if tokens == len(step):
+            out = self.graphs.run(DecodeRows(slot, np.array(ids, np.int32), np.array(pos, np.int32)), sampling)
         else:
-            tokens = m.run(entries, sampling=sampling)
+            entries = [Entry(s, np.asarray(r.tokens(r.computed, r.computed + n), np.int32), r.computed)
+                       for s, (r, n) in zip(slots, step)]
+            out = m.run(entries, sampling=sampling)
         if self.keep_logits:
             self.logits.update(zip((r.id for r, _ in step), m.outputs(len(step))))
-        return {r.id: int(t) for (r, n), t in zip(step, tokens) if r.computed + n == r.num_tokens}
+        return out.tolist()
+
+    def _take_slot(self, request: Request) -> int:
+        if not self.free_slots:        # preempted requests hold no pages: their slots are free
+            for other in [k for k in self.slots if k not in self.model.blocks]:
+                self.release(other)
+        slot = self.slots[request.id] = self.free_slots.pop()
+        p = request.params
+        self.temperature[slot], self.top_k[slot], self.top_p[slot] = p.temperature, p.top_k, p.top_p
+        self.seed[slot] = request.sample_seed
+        return slot
 
     def release(self, request_id: Hashable) -> None:
         slot = self.slots.pop(request_id, None)

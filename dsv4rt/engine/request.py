@@ -52,7 +52,7 @@ class Request:
     @property
     def remaining(self) -> int:
         """Tokens the model has yet to consume."""
-        return self.num_tokens - self.computed
+        return len(self.prompt) + len(self.generated) - self.computed
 
     @property
     def max_len(self) -> int:
@@ -61,6 +61,11 @@ class Request:
     @property
     def done(self) -> bool:
         return self.status in (Status.FINISHED, Status.ABORTED)
+
+    def token(self, i: int) -> int:
+        """Token i of prompt + generated."""
+        n = len(self.prompt)
+        return self.prompt[i] if i < n else self.generated[i - n]
 
     def tokens(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) of prompt + generated."""

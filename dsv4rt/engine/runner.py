@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Hashable, Protocol
+from typing import Hashable, Protocol, Sequence
 
 import numpy as np
 
@@ -12,9 +12,9 @@ from .scheduler import Step
 
 
 class Runner(Protocol):
-    def run(self, step: Step) -> dict[Hashable, int]:
-        """Feed each request's tokens [computed, computed + n); the next token of each request whose
-        step reaches its last token, sampled with its settings."""
+    def run(self, step: Step) -> Sequence[int | None]:
+        """Feed each request's tokens [computed, computed + n); per entry, the next token sampled with
+        the request's settings when its step reaches its last token (anything otherwise)."""
 
     def release(self, request_id: Hashable) -> None:
         """Forget a request that finished or was aborted."""
@@ -38,8 +38,8 @@ class CpuRunner:
         self.model = model
         self.states: dict[Hashable, SequenceState] = {}
 
-    def run(self, step: Step) -> dict[Hashable, int]:
-        out = {}
+    def run(self, step: Step) -> list[int | None]:
+        out = []
         for request, n in step:
             if request.computed == 0:      # new, or preempted: recompute from the first token
                 self.states[request.id] = self.model.new_state()
@@ -48,8 +48,8 @@ class CpuRunner:
                 raise RuntimeError(f"request {request.id!r}: state at {state.pos}, scheduled from {request.computed}")
             ids = request.tokens(request.computed, request.computed + n)
             logits = self.model.forward(state, np.array(ids, np.int64))[-1]
-            if request.computed + n == request.num_tokens:
-                out[request.id] = sample(logits, request.params, request.rng)
+            out.append(sample(logits, request.params, request.rng) if request.computed + n == request.num_tokens
+                       else None)
         return out
 
     def release(self, request_id: Hashable) -> None:

@@ -42,6 +42,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
+        self._decodes: list[tuple[Request, int, bool]] | None = None   # when the last step decoded every running one
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -56,15 +57,29 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self) -> Step:
-        """The next step: (request, new tokens) pairs, decodes first; their pages are placed."""
-        budget = self.token_budget
-        planned: dict[Hashable, int] = {}
-        for single in (True, False):
-            for r in self.running:
-                if budget and (r.remaining == 1) == single:
-                    planned[r.id] = self._chunk(r.computed, r.num_tokens, budget)
-                    budget -= planned[r.id]
-        step = self._claim_running(planned)
+        """The next step: (request, new tokens) pairs, decodes first; their pages are placed. Between
+        steps the caller advances each scheduled request by its tokens and gives the next token to those
+        whose step reached their last one, or finishes them (Engine.step)."""
+        budget, preemptions = self.token_budget, self.preemptions
+        if self._decodes is not None and not self.waiting:
+            # the last step decoded every running request, so each decodes again: nothing to decide
+            planned = self._decodes
+            budget -= len(self.running)
+        else:
+            single = [r.remaining == 1 for r in self.running]
+            decodes = min(sum(single), budget)
+            budget -= decodes
+            planned = []           # (request, tokens, single) in admission order
+            for r, one in zip(self.running, single):
+                if one:
+                    if decodes:
+                        planned.append((r, 1, True))
+                        decodes -= 1
+                elif budget:
+                    n = self._chunk(r.computed, r.num_tokens, budget)
+                    planned.append((r, n, False))
+                    budget -= n
+        step, chunks = self._claim_running(planned)
         while self.waiting and budget and len(self.running) < self.max_running:
             r = self.waiting[0]
             n = self._admit(r, budget)
@@ -73,10 +88,13 @@ class Scheduler:
             self.waiting.popleft()
             r.status = Status.RUNNING
             self.running.append(r)
-            step.append((r, n))
+            (step if r.remaining == 1 else chunks).append((r, n))
             budget -= n
-        step.sort(key=lambda entry: entry[0].remaining != 1)   # stable: decodes first, each part in admission order
-        return step
+        if chunks or len(step) < len(self.running):
+            self._decodes = None
+        elif planned is not self._decodes or len(planned) > len(step) or self.preemptions > preemptions:
+            self._decodes = [(r, 1, True) for r, _ in step]     # finished and aborted ones were skipped
+        return step + chunks          # decodes first, each part in admission order
 
     def finish(self, request: Request, reason: str) -> None:
         """The request is complete: its pages go back at once."""
@@ -95,25 +113,23 @@ class Scheduler:
                     return r
         return None
 
-    def _claim_running(self, planned: dict[Hashable, int]) -> Step:
-        # Admission order: a victim (taken from the end) has never been placed in this step.
-        step, i = [], 0
-        while i < len(self.running):
-            r = self.running[i]
-            n = planned.get(r.id)
-            if n is None:
-                i += 1
+    def _claim_running(self, planned: list[tuple[Request, int, bool]]) -> tuple[Step, Step]:
+        """Place the planned steps in admission order, preempting from the most recently admitted;
+        (decodes, chunks). A victim, taken from the end, has never been placed in this step."""
+        decodes, chunks = [], []
+        try_place, running = self.blocks.try_place, self.running
+        for r, n, one in planned:
+            if r.status is not Status.RUNNING:        # preempted for the pages of an earlier one
                 continue
-            placed = self.blocks.try_place(r.id, r.computed + n)
-            while not placed and self.running[-1] is not r:
-                self._preempt(self.running[-1])
-                placed = self.blocks.try_place(r.id, r.computed + n)
+            placed = try_place(r.id, r.computed + n)
+            while not placed and running[-1] is not r:
+                self._preempt(running[-1])
+                placed = try_place(r.id, r.computed + n)
             if not placed:
                 self._preempt(r)          # it is the last one: nothing after it to claim
                 break
-            step.append((r, n))
-            i += 1
-        return step
+            (decodes if one else chunks).append((r, n))
+        return decodes, chunks
 
     def _preempt(self, r: Request) -> None:
         self.running.remove(r)

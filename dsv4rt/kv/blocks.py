@@ -10,14 +10,17 @@ handed to another request is written only after the steps that read it.
 """
 from __future__ import annotations
 
+import functools
+import math
 from typing import Hashable
 
 import numpy as np
 
-from .plan import CacheKind, KVPlan
+from .plan import KVPlan
 from .slab import SlabAllocator
 
 Ranges = list[tuple[int, int]]
+Move = tuple[int, Ranges, Ranges, Ranges]     # (kind index, columns given back, columns taken, columns then held)
 
 
 class OutOfPages(RuntimeError):
@@ -26,13 +29,15 @@ class OutOfPages(RuntimeError):
 
 class _Pages:
     """One request's pages of one kind: array[row, c - base] is layer row's page of column c, or -1.
-    `version` changes whenever they do."""
-    __slots__ = ("base", "array", "held", "end", "version")
+    `version` changes whenever they do; `moved` is (the version before, columns given back, columns
+    taken) of the last change, so a copy of the tables one change behind can be brought up to date."""
+    __slots__ = ("base", "array", "held", "end", "version", "moved")
 
     def __init__(self, layers: int):
         self.base, self.end, self.version = 0, 0, -1
         self.array = np.full((layers, 4), -1, np.int32)
         self.held: Ranges = []
+        self.moved: tuple[int, Ranges, Ranges] | None = None
 
     def cover(self, start: int, stop: int) -> None:
         base, width = self.base, self.array.shape[1]
@@ -47,12 +52,11 @@ class _Pages:
 
 
 class _Request:
-    __slots__ = ("length", "kinds", "version", "steady", "all_steady")
+    __slots__ = ("length", "kinds", "version", "one_token")
 
     def __init__(self, plan: KVPlan):
         self.length, self.version = 0, -1
-        self.steady = [0] * len(plan.kinds)   # per kind: one-token steps from lengths below need the pages held
-        self.all_steady = 0                   # min(steady): below it a one-token step changes nothing
+        self.one_token = False     # the last step computed one position: each kind holds columns(length - 1, length)
         self.kinds = [_Pages(len(k.layers)) for k in plan.kinds]
 
 
@@ -65,6 +69,11 @@ class BlockManager:
         self._rows = [{layer: row for row, layer in enumerate(k.layers)} for k in plan.kinds]
         self._requests: dict[Hashable, _Request] = {}
         self._changes = 0
+        # What a one-token step after a one-token step moves repeats with the length (see _decode_moves)
+        self._period = math.lcm(*(x for k in plan.kinds for x in (k.positions_per_page, k.stride) if x))
+        self._periodic_from = _up(self._period, max([k.width for k in plan.kinds] + [1]))
+        self._decode = _decode_table(plan)
+        self._geometry = [(k.positions_per_page, k.sliding) for k in plan.kinds]
 
     def __contains__(self, request: Hashable) -> bool:
         return request in self._requests
@@ -86,9 +95,10 @@ class BlockManager:
     def can_place(self, request: Hashable, new_len: int) -> bool:
         """Whether place(request, new_len) would succeed now: the pages it needs net of those it gives back."""
         req = self._requests.get(request) or _Request(self.plan)
-        if new_len == req.length + 1 and req.length < req.all_steady:
-            return True
-        return self.allocator.can_alloc(self._net_pages(req, self._needs(req, new_len)))
+        if req.one_token and new_len == req.length + 1:
+            net = self._decode_moves(req.length)[1]
+            return net is None or self.allocator.can_alloc(net)
+        return self.allocator.can_alloc(self._net_pages(self._moves_of(req, new_len)))
 
     def place(self, request: Hashable, new_len: int) -> None:
         """Hold what the step computing positions [length, new_len) needs; all or nothing (OutOfPages)."""
@@ -98,35 +108,33 @@ class BlockManager:
     def try_place(self, request: Hashable, new_len: int) -> bool:
         """place(), or False with nothing changed when the pages are lacking."""
         req = self._requests.get(request) or _Request(self.plan)
-        if new_len == req.length + 1 and req.length < req.all_steady:
-            req.length = new_len
-            return True
-        needs = self._needs(req, new_len)
-        moved = [i for i, (need, pages) in enumerate(zip(needs, req.kinds)) if need != pages.held]
-        if moved:
-            if not self.allocator.can_alloc(self._net_pages(req, needs)):
+        L = req.length
+        if req.one_token and new_len == L + 1:       # a decode step: host time per token
+            moves, net, shift = self._decode_moves(L)
+            if not moves:
+                req.length = new_len
+                return True
+            if net is not None and not self.allocator.can_alloc(net):
                 return False
-            for i in moved:
-                pages = req.kinds[i]
-                for start, stop in _minus(pages.held, needs[i]):
-                    self._give_back(pages, start, stop)
-            for i in moved:
-                self._take(i, req.kinds[i], needs[i])
-        if moved or req.version < 0:
+            if shift:
+                moves = [self._shifted(move, shift) for move in moves]
+        else:
+            moves = self._moves_of(req, new_len)
+            if moves and not self.allocator.can_alloc(self._net_pages(moves)):
+                return False
+        if moves or req.version < 0:
             self._changes += 1
             req.version = self._changes
-            for i in moved:
-                req.kinds[i].version = self._changes
-        L = req.length
-        if new_len == L + 1:
-            steady = req.steady
-            for i, k in enumerate(self.plan.kinds):
-                if L >= steady[i]:
-                    steady[i] = _steady_until(k, L)
-        else:
-            req.steady = [0] * len(req.steady)
-        req.all_steady = min(req.steady)
-        req.length = new_len
+        kinds = req.kinds
+        for i, give, _, _ in moves:      # every kind gives back before any takes: a step may need what it frees
+            for start, stop in give:
+                self._give_back(kinds[i], start, stop)
+        for i, give, take, need in moves:
+            pages = kinds[i]
+            pages.held, pages.moved, pages.version = need, (pages.version, give, take), req.version
+            if take:
+                self._take(i, pages, take)
+        req.length, req.one_token = new_len, new_len == L + 1
         self._requests[request] = req
         return True
 
@@ -148,52 +156,86 @@ class BlockManager:
         out[pages.base:stop] = pages.array[row, :stop - pages.base]
         return out
 
-    def pages(self, request: Hashable, kind: str) -> tuple[int, int, np.ndarray]:
-        """(version, base, array): the request's pages of `kind`, array[row, c - base] for layer row (the
-        kind's layers in order) and column c, −1 where none is held; a view, valid until the next place()."""
-        p = self._requests[request].kinds[self._kind_index[kind]]
-        return p.version, p.base, p.array
+    def all_pages(self, request: Hashable) -> list[_Pages]:
+        """The request's pages of every kind, in the plan's order (see _Pages: `version`, `base`, `array`,
+        `moved`); valid until the next place()."""
+        return self._requests[request].kinds
 
     def held_columns(self, request: Hashable, kind: str) -> int:
         """Columns (pages per layer) the request holds of `kind`."""
         return _width(self._requests[request].kinds[self._kind_index[kind]].held)
 
-    def _needs(self, req: _Request, new_len: int) -> list[Ranges]:
-        """What each kind needs for the step; a decode step keeps a kind's pages without recomputing them
-        until that kind's next change (most steps of most kinds: this is host time per token)."""
-        L = req.length
-        if new_len < L:
-            raise ValueError(f"new length {new_len} is below the current {L}")
-        one = new_len == L + 1
-        return [pages.held if one and L < until else k.columns(L, new_len)
-                for k, pages, until in zip(self.plan.kinds, req.kinds, req.steady)]
+    def _moves_of(self, req: _Request, new_len: int) -> list[Move]:
+        """The moves of the kinds whose columns the step changes."""
+        if new_len < req.length:
+            raise ValueError(f"new length {new_len} is below the current {req.length}")
+        return _moves(self.plan, [pages.held for pages in req.kinds], req.length, new_len)
 
-    def _net_pages(self, req: _Request, needs: list[Ranges]) -> list[int]:
+    def _net_pages(self, moves: list[Move]) -> list[int]:
         counts = [0, 0, 0]
-        for k, pages, need in zip(self.plan.kinds, req.kinds, needs):
-            if need != pages.held:
-                columns = _width(_minus(need, pages.held)) - _width(_minus(pages.held, need))
-                counts[k.size_class] += len(k.layers) * columns
+        for i, give, take, _ in moves:
+            k = self.plan.kinds[i]
+            counts[k.size_class] += len(k.layers) * (_width(take) - _width(give))
         return counts   # negative: the class gets pages back; can_alloc needs none of it
 
+    def _decode_moves(self, L: int) -> tuple[list[Move], list[int] | None, int]:
+        """A one-token step from L after one from L - 1: its moves, its net pages per class (None when it
+        needs none) and how many positions to shift the moves by. They repeat every `_period` lengths once
+        no sliding kind's keep_from is clamped at 0 (L >= every width), so each phase is computed once."""
+        phase = L if L < self._periodic_from else self._periodic_from + (L - self._periodic_from) % self._period
+        known = self._decode.get(phase)
+        if known is None:
+            held = [k.columns(phase - 1, phase) for k in self.plan.kinds]
+            moves = _moves(self.plan, held, phase, phase + 1)
+            net = self._net_pages(moves)
+            known = self._decode[phase] = moves, net if max(net) > 0 else None
+        return known[0], known[1], L - phase
+
+    def _shifted(self, move: Move, positions: int) -> Move:
+        """A decode move `positions` (a multiple of the period) later; a kind that keeps every page keeps
+        its first column."""
+        i, give, take, need = move
+        per_page, sliding = self._geometry[i]
+        s = positions // per_page
+        need = [(a + s, b + s) for a, b in need] if sliding else [(0, need[0][1] + s)]
+        return i, [(a + s, b + s) for a, b in give], [(a + s, b + s) for a, b in take], need
+
     def _give_back(self, pages: _Pages, start: int, stop: int) -> None:
-        held = pages.array[:, start - pages.base:stop - pages.base]
+        lo, hi = start - pages.base, stop - pages.base
+        # a decode step moves one column: its strided view lists its pages without a copy
+        held = pages.array[:, lo] if hi == lo + 1 else pages.array[:, lo:hi]
         free = self.allocator.free
         for page in held.ravel().tolist():
             free(page)
-        held[...] = -1
+        held.fill(-1)
 
-    def _take(self, i: int, pages: _Pages, need: Ranges) -> None:
-        missing = _minus(need, pages.held)
-        pages.held = need
-        if not need:
-            return
-        pages.cover(need[0][0], need[-1][1])
-        pages.end = max(pages.end, need[-1][1])
+    def _take(self, i: int, pages: _Pages, take: Ranges) -> None:
+        """Pages for the columns `take` of the columns now held."""
+        pages.cover(pages.held[0][0], pages.held[-1][1])
+        pages.end = max(pages.end, take[-1][1])
         cls, alloc, rows = self.plan.kinds[i].size_class, self.allocator.alloc, pages.array.shape[0]
-        for start, stop in missing:
-            ids = [alloc(cls) for _ in range(rows * (stop - start))]
-            pages.array[:, start - pages.base:stop - pages.base] = np.array(ids, np.int32).reshape(rows, -1)
+        for start, stop in take:
+            lo, hi = start - pages.base, stop - pages.base
+            ids = [alloc(cls) for _ in range(rows * (hi - lo))]
+            if hi == lo + 1:
+                pages.array[:, lo] = ids
+            else:
+                pages.array[:, lo:hi] = np.array(ids, np.int32).reshape(rows, -1)
+
+
+def _moves(plan: KVPlan, held: list[Ranges], length: int, new_len: int) -> list[Move]:
+    moves = []
+    for i, k in enumerate(plan.kinds):
+        need = k.columns(length, new_len)
+        if need != held[i]:
+            moves.append((i, _minus(held[i], need), _minus(need, held[i]), need))
+    return moves
+
+
+@functools.cache
+def _decode_table(plan: KVPlan) -> dict[int, tuple[list[Move], list[int] | None]]:
+    """BlockManager._decode_moves by phase, shared by the block managers of a plan."""
+    return {}
 
 
 def _minus(a: Ranges, b: Ranges) -> Ranges:
@@ -215,27 +257,6 @@ def _minus(a: Ranges, b: Ranges) -> Ranges:
 
 def _width(ranges: Ranges) -> int:
     return sum(stop - start for start, stop in ranges)
-
-
-def _steady_until(k: CacheKind, L: int) -> int:
-    """The first length above L whose one-token step may need other columns of kind k than (L, L+1).
-
-    CacheKind.columns(L, L+1) is a function of ceil((L+1)/P) for kinds that keep every page, and for
-    sliding kinds also of floor(keep_from(L)/P), ceil(L/P) and floor(max(L, keep_from(L+1))/P), all
-    non-decreasing in L, and of whether its read and write ranges are empty, which changes only at
-    multiples of the stride s when s >= width. Each term's next change is computed in closed form."""
-    P = k.positions_per_page
-    until = [_up(P, L + 1)]                                       # ceil((L+1)/P) moves
-    if k.width:
-        s, w = k.stride, k.width
-        first_length = lambda target: _up(s, target - s + w)     # least L' with keep_from(L') >= target
-        until.append(_up(P, L) + 1)                               # ceil(L/P) moves
-        until.append(first_length((k.keep_from(L) // P + 1) * P))
-        target = (max(L, k.keep_from(L + 1)) // P + 1) * P
-        until.append(min(target, first_length(target) - 1))
-        if s >= w:
-            until += [_up(s, L + 1), _up(s, L + 2) - 1]
-    return max(L + 1, min(until))
 
 
 def _up(a: int, x: int) -> int:

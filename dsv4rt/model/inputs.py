@@ -23,6 +23,22 @@ class SamplingArrays:
     step: np.ndarray
 
 
+@dataclass
+class DecodeRows:
+    """A step of one token per request as arrays, in place of a list of Entry: request slots, token ids
+    and positions. The serving engine's decode steps build no object per request."""
+    slot: np.ndarray
+    ids: np.ndarray
+    pos: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.slot)
+
+
+# the settings of output rows without a request's (padding, logits only)
+NO_SAMPLING = dict(temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0)
+
+
 class StepInputs:
     def __init__(self, rows: int):
         self.rows = rows
@@ -34,30 +50,32 @@ class StepInputs:
         self.host = np.zeros(at, np.uint8)
         self.view = {name: self.host[self.offsets[name]:self.offsets[name] + rows * np.dtype(dt).itemsize].view(dt)
                      for name, dt in FIELDS}
+        self.row_index = np.arange(rows, dtype=np.int32)
         self.n_out = 0
 
     def pointers(self, base: int) -> dict[str, int]:
         return {name: base + off for name, off in self.offsets.items()}
 
     def fill(self, entries, pad_to: int = 0, every_row: bool = True, sampling: SamplingArrays | None = None) -> int:
-        """Write the step's rows; returns their count (padding included). With pad_to (decode graphs)
-        every entry has one token and all pad_to rows are output rows."""
+        """Write the step's rows (a list of Entry, or DecodeRows); returns their count (padding included).
+        With pad_to (decode graphs) every entry has one token and all pad_to rows are output rows."""
         v, n = self.view, len(entries)
-        lengths = [len(e.ids) for e in entries]
-        T = sum(lengths)
+        decode = entries if isinstance(entries, DecodeRows) else None
+        lengths = None if decode else [len(e.ids) for e in entries]
+        T = n if decode else sum(lengths)
         if pad_to:
             if T != n or n > pad_to:
                 raise ValueError(f"a padded step takes one token per request, at most {pad_to} requests")
             T = pad_to
         if T > self.rows:
             raise ValueError(f"a step of {T} tokens exceeds the workspace's {self.rows} rows")
-        v["ids"][:T] = 0
-        v["pos"][:T] = 0
-        v["req"][:T] = -1
         if T == n or pad_to:          # one token each (decode): no per-entry slicing, it is host time per step
-            v["ids"][:n] = [int(e.ids[0]) for e in entries]
-            v["pos"][:n] = [e.start for e in entries]
-            v["req"][:n] = [e.slot for e in entries]
+            if decode is None:
+                decode = DecodeRows([e.slot for e in entries], [int(e.ids[0]) for e in entries],
+                                    [e.start for e in entries])
+            v["ids"][:n], v["pos"][:n], v["req"][:n] = decode.ids, decode.pos, decode.slot
+            if T > n:
+                v["ids"][n:T], v["pos"][n:T], v["req"][n:T] = 0, 0, -1
         else:
             at = 0
             for e, k in zip(entries, lengths):
@@ -67,16 +85,14 @@ class StepInputs:
                 at += k
         if pad_to or every_row:
             self.n_out = T
-            v["out_rows"][:T] = np.arange(T)
+            v["out_rows"][:T] = self.row_index[:T]
         else:
             self.n_out = n
-            v["out_rows"][:n] = np.cumsum(lengths) - 1
-        v["temperature"][:self.n_out] = 0.0
-        v["top_k"][:self.n_out] = 0
-        v["top_p"][:self.n_out] = 1.0
-        v["seed"][:self.n_out] = 0
-        v["step"][:self.n_out] = 0
-        if sampling is not None:
-            for name in ("temperature", "top_k", "top_p", "seed", "step"):
+            v["out_rows"][:n] = np.cumsum(lengths) - 1 if lengths else self.row_index[:n]
+        given = n if sampling is not None else 0
+        for name, default in NO_SAMPLING.items():
+            if given:
                 v[name][:n] = getattr(sampling, name)
+            if self.n_out > given:
+                v[name][given:self.n_out] = default
         return T

@@ -21,12 +21,10 @@ class PageTables:
         self.at, self.kinds, cols_total = {}, [], 0
         for k in plan.kinds:
             cols = -(-max_len // k.positions_per_page) + 1
-            starts = []
+            self.kinds.append((k, cols_total, cols))      # its layers' columns follow each other
             for layer in k.layers:
                 self.at[k.name, layer] = (cols_total, cols, k)
-                starts.append(cols_total)
                 cols_total += cols
-            self.kinds.append((k, starts, cols))
         if slots * cols_total >= 2 ** 31:
             raise ValueError(f"{slots} slots of {max_len} positions need too large page tables; lower either")
         self.slot_cols = cols_total
@@ -50,22 +48,35 @@ class PageTables:
         if self.versions[slot] == version:   # versions are unique over all requests
             return
         row, shown = self.host[slot], self.shown[slot]
-        for i, (k, starts, cols) in enumerate(self.kinds):
-            kind_version, base, pages = blocks.pages(request, k.name)
-            if shown[i][0] == kind_version:
+        for i, ((k, first, cols), pages) in enumerate(zip(self.kinds, blocks.all_pages(request))):
+            shown_version, lo, hi = shown[i]
+            if shown_version == pages.version:
                 continue
-            _, lo, hi = shown[i]
-            new_lo, new_hi = min(base, cols), min(base + pages.shape[1], cols)
-            offsets = self.allocator.offsets(pages[:, :new_hi - new_lo], k.size_class)
-            a, b = (min(lo, new_lo), max(hi, new_hi)) if hi > lo else (new_lo, new_hi)
-            for at, layer_offsets in zip(starts, offsets):
-                row[at + lo:at + hi] = -1
-                row[at + new_lo:at + new_hi] = layer_offsets
-                if b > a:
-                    # Stream-ordered after earlier steps, which may still read the old values; from pageable
-                    # memory the call returns once the span is staged, so the host may rewrite it at once.
+            base, array = pages.base, pages.array
+            layers = row[first:first + len(k.layers) * cols].reshape(len(k.layers), cols)
+            new_lo, new_hi = min(base, cols), min(base + array.shape[1], cols)
+            if pages.moved is not None and pages.moved[0] == shown_version:
+                # one change behind (a decode step): rewrite the columns it gave back and took, the rest stands
+                _, give, take = pages.moved
+                a, b = cols, 0
+                for start, stop in give + take:
+                    a, b = min(a, start), max(b, min(stop, cols))
+                for start, stop in give:
+                    layers[:, start:stop] = -1
+                for start, stop in take:
+                    stop = min(stop, cols)
+                    layers[:, start:stop] = self.allocator.offsets(array[:, start - base:stop - base], k.size_class)
+            else:
+                # the row shows offsets of the pages in [lo, hi) and −1 elsewhere
+                layers[:, lo:hi] = -1
+                layers[:, new_lo:new_hi] = self.allocator.offsets(array[:, :new_hi - new_lo], k.size_class)
+                a, b = (min(lo, new_lo), max(hi, new_hi)) if hi > lo else (new_lo, new_hi)
+            if b > a:
+                # One copy per layer, stream-ordered after earlier steps, which may still read the old values;
+                # from pageable memory it returns once the span is staged, so the host may rewrite it at once.
+                for at in range(first, first + len(k.layers) * cols, cols):
                     self.device.copy_from_host(row[at + a:at + b], stream, offset=8 * (slot * self.slot_cols + at + a))
-            shown[i] = (kind_version, new_lo, new_hi)
+            shown[i] = (pages.version, new_lo, new_hi)
         self.versions[slot] = version
 
     def forget(self, slot: int) -> None:
