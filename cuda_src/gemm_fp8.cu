@@ -1,0 +1,170 @@
+// dsv4rt-instantiate: fp8_prefill_gemm<float,1> fp8_prefill_gemm<float,2>
+// dsv4rt-instantiate: fp8_prefill_gemm<__nv_bfloat16,1> fp8_prefill_gemm<__nv_bfloat16,2>
+#include "common.cuh"
+#include "fp8.cuh"
+
+// The faithful-mode fp8 linear layer of prefill batches (MODEL.md section 9) on Hopper's tensor cores:
+// y [m, n] = Σ over 128-column blocks kb of (xq[:, kb] · wq[:, kb]ᵀ) · x_scale[:, kb] · w_scale[n / 128, kb], the
+// large-m counterpart of fp8.cu's fp8_skinny_gemm with the same operands (xq, x_scale from act_quant; wq [n, k],
+// w_scale [n / 128, k / 128] the checkpoint's). n and k are multiples of 128, m is any.
+//
+// A block owns 64·WG rows and 128 columns of y. A producer warp streams 128-column slices of both operands
+// into a ring of shared-memory stages by TMA (128-byte swizzle); WG consumer warpgroups, 64 rows each, run
+// wgmma m64n128k32 e4m3 on them, each 128-column block into fresh fp32 registers, which they then scale
+// (x_scale of the row times w_scale of the block) into the accumulator, as DeepGEMM does: the tensor cores'
+// own fp8 accumulation is never trusted beyond 128 products. mbarriers pace the ring: `full` counts the TMA
+// bytes of a stage, `empty` the consumer warps done with it.
+// wgmma exists on sm_90a alone; other targets compile a stub and the launcher refuses them.
+
+constexpr int kTileN = 128;    // columns of y a block owns: one row of weight scales
+constexpr int kWgRows = 64;    // rows of a consumer warpgroup (wgmma's m)
+constexpr int kWgmmaK = 32;    // e4m3 bytes of k one wgmma takes
+
+// Stages of a block: 6 of 32 KB with two warpgroups (one block a multiprocessor), 4 of 24 KB with one (two).
+template <int WG> constexpr int kStages = WG == 2 ? 6 : 4;
+template <int WG> constexpr int kStageBytes = (kWgRows * WG + kTileN) * kFp8Block;
+
+// cuTensorMapEncodeTiled's opaque 128 bytes, passed by value.
+struct alignas(64) TensorMap { unsigned long long opaque[16]; };
+
+__device__ __forceinline__ float e8m0_value(unsigned b) {
+    // as fp8.cu's e8m0_to_float: 0 is 2^-127, 255 is NaN
+    return b == 255 ? __uint_as_float(0x7fc00000u) : b == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(b << 23);
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    unsigned done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+
+// rows row.. and columns col.. of the map's tensor into shared memory at dst; bar counts the bytes
+__device__ __forceinline__ void tma_load(unsigned dst, const TensorMap& map, int col, int row, unsigned bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+        ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(col), "r"(row), "r"(bar) : "memory");
+}
+
+// A K-major operand of 128-byte rows as TMA's 128-byte swizzle leaves it: 8-row groups 1024 bytes apart
+// (stride offset, bits 32-45), swizzle mode 1 (bits 62-63); the leading offset is unused for this layout.
+// Stepping k by 32 bytes moves the start address alone: the hardware swizzles the final address bits.
+__device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
+    return 1ull << 62 | static_cast<unsigned long long>(1024 >> 4) << 32 | 1ull << 16 | (addr & 0x3FFFF) >> 4;
+}
+
+// d (+)= a · bᵀ, a 64 x 32 and b 128 x 32 e4m3 in shared memory; accumulate = 0 overwrites d.
+// d[4j + c]: row lane / 4 + 8·(c / 2) of the warp's 16, column 8j + 2·(lane % 4) + c % 2.
+__device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], unsigned long long a, unsigned long long b,
+                                                 int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+        "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "
+        "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1;\n}"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+          "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+          "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+          "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+          "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+__device__ __forceinline__ void store_pair(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
+__device__ __forceinline__ void store_pair(__nv_bfloat16* p, float a, float b) {
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+#endif
+
+// x_map: xq [m, k] in boxes of min(64·WG, m) rows x 128 bytes; w_map: wq [n, k] in boxes of 128 x 128 bytes.
+// Rows of a stage past the box hold stale bytes: they only reach rows of y that are not stored.
+template <typename OutT, int WG>
+__global__ void __launch_bounds__(128 * WG + 32, 3 - WG)
+    fp8_prefill_gemm(const __grid_constant__ TensorMap x_map, const __grid_constant__ TensorMap w_map, OutT* y,
+                     const unsigned char* x_scale, const unsigned char* w_scale, int m, int n, int k, int x_box_rows) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int S = kStages<WG>, A_BYTES = kWgRows * WG * kFp8Block, STAGE = kStageBytes<WG>;
+    extern __shared__ unsigned char shared[];
+    const unsigned base = (static_cast<unsigned>(__cvta_generic_to_shared(shared)) + 1023) & ~1023u;
+    const unsigned full = base + S * STAGE, empty = full + 8 * S;  // mbarriers of stage s at + 8·s
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nkb = k / kFp8Block;
+    const int m0 = blockIdx.y * kWgRows * WG, n0 = blockIdx.x * kTileN;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < S; ++s) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, 4 * WG);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp == 4 * WG) {  // the producer warp, after the consumers so that their warpgroups are aligned
+        if (lane == 0) {
+            asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(&x_map)) : "memory");
+            asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(&w_map)) : "memory");
+            const unsigned bytes = x_box_rows * kFp8Block + kTileN * kFp8Block;
+            for (int kb = 0; kb < nkb; ++kb) {
+                const int s = kb % S;
+                const unsigned stage = base + s * STAGE;
+                mbar_wait(empty + 8 * s, ((kb / S) & 1) ^ 1);  // a fresh barrier passes parity 1 at once
+                mbar_expect_tx(full + 8 * s, bytes);
+                tma_load(stage, x_map, kb * kFp8Block, m0, full + 8 * s);
+                tma_load(stage + A_BYTES, w_map, kb * kFp8Block, n0, full + 8 * s);
+            }
+        }
+        return;
+    }
+
+    const int wg = warp >> 2, row = m0 + wg * kWgRows + 16 * (warp & 3) + (lane >> 2);  // rows row, row + 8
+    const bool ok0 = row < m, ok1 = row + 8 < m;  // rows past m read row 0's scales and are not stored
+    const unsigned char* xs0 = x_scale + static_cast<size_t>(ok0 ? row : 0) * nkb;
+    const unsigned char* xs1 = x_scale + static_cast<size_t>(ok1 ? row + 8 : 0) * nkb;
+    const unsigned char* ws = w_scale + static_cast<size_t>(n0 / kFp8Block) * nkb;
+    float acc[64], part[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    for (int kb = 0; kb < nkb; ++kb) {
+        const int s = kb % S;
+        const unsigned a = base + s * STAGE + wg * kWgRows * kFp8Block, b = base + s * STAGE + A_BYTES;
+        // scale bytes loaded before the wait and used after the products: they land while the tensor cores work
+        const unsigned wb = __ldg(ws + kb), xb0 = __ldg(xs0 + kb), xb1 = __ldg(xs1 + kb);
+        mbar_wait(full + 8 * s, (kb / S) & 1);
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+        for (int ks = 0; ks < kFp8Block / kWgmmaK; ++ks)
+            wgmma_m64n128k32(part, smem_desc(a + ks * kWgmmaK), smem_desc(b + ks * kWgmmaK), ks);
+        asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;" ::: "memory");
+        if (lane == 0) mbar_arrive(empty + 8 * s);
+        const float sw = e8m0_value(wb), s0 = e8m0_value(xb0) * sw, s1 = e8m0_value(xb1) * sw;
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], i & 2 ? s1 : s0, acc[i]);
+    }
+#pragma unroll
+    for (int j = 0; j < kTileN / 8; ++j) {
+        const int col = n0 + 8 * j + 2 * (lane & 3);
+        if (ok0) store_pair(y + static_cast<size_t>(row) * n + col, acc[4 * j], acc[4 * j + 1]);
+        if (ok1) store_pair(y + static_cast<size_t>(row + 8) * n + col, acc[4 * j + 2], acc[4 * j + 3]);
+    }
+#else
+    __trap();
+#endif
+}

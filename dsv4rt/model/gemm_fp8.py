@@ -1,0 +1,92 @@
+"""Launcher for cuda_src/gemm_fp8.cu: the faithful-mode fp8 linear layer of prefill batches on Hopper's tensor
+cores (wgmma, TMA; sm_90a only), the large-m counterpart of fp8.skinny_gemm with the same operands (MODEL.md
+section 9; twin: reference.ops.Linear with act_quant on the dequantised weight)."""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+from ..cuda.build import instantiations, source_dir
+from ..cuda.device import Device, Launch
+from ..cuda.driver import check, drv
+from ..cuda.ops import storage_name
+from .fp8 import BLOCK
+
+TILE_N = 128                  # kTileN: columns of y a block owns
+WARPGROUP_ROWS = 64           # kWgRows: rows of y a consumer warpgroup owns
+STAGES = {1: 4, 2: 6}         # kStages<WG>
+ALIGN_SLACK = 1024            # the kernel aligns its stages to the 128-byte swizzle's 1024-byte period
+ARCH = "sm_90a"
+
+
+@functools.cache
+def _names() -> tuple[str, ...]:
+    return tuple(instantiations((source_dir() / "gemm_fp8.cu").read_text()))
+
+
+def _nothing(stream) -> None:
+    return None
+
+
+def shared_bytes(warpgroups: int) -> int:
+    """The kernel's dynamic shared memory: its stages of 128 columns of x and w rows, the alignment slack and two
+    mbarriers a stage."""
+    stage = (WARPGROUP_ROWS * warpgroups + TILE_N) * BLOCK
+    return STAGES[warpgroups] * (stage + 16) + ALIGN_SLACK
+
+
+def warpgroups_for(m: int, n: int, sm_count: int) -> int:
+    """128-row blocks (two warpgroups) once their tiles fill the multiprocessors, else 64-row ones (two blocks
+    a multiprocessor), which halve the padding of small m and double the blocks."""
+    return 2 if -(-m // (2 * WARPGROUP_ROWS)) * (n // TILE_N) >= sm_count else 1
+
+
+def fp8_gemm(device: Device, x_q: int, x_scale: int, w: int, w_scale: int, y: int, m: int, n: int, k: int,
+             out_dtype, warpgroups: int | None = None) -> Launch:
+    """y [m, n] (float32 or bfloat16) = Σ over 128-column blocks of (x_q · wᵀ) · x_scale · w_scale, each block's
+    products summed in fp32 before scaling: x_q [m, k] e4m3 and x_scale [m, k/128] e8m0 from fp8.act_quant,
+    w [n, k] e4m3 and w_scale [n/128, k/128] e8m0 the checkpoint's. n and k must be multiples of 128, x_q and w
+    16-byte aligned. warpgroups (1 or 2: 64 or 128 rows a block) defaults to warpgroups_for."""
+    if k % BLOCK or n % TILE_N or k == 0 or n == 0:
+        raise ValueError(f"the prefill fp8 GEMM needs n and k to be positive multiples of 128, got n={n}, k={k}")
+    itemsize = np.dtype(out_dtype).itemsize
+    if x_q % 16 or w % 16 or y % (2 * itemsize):
+        raise ValueError("the prefill fp8 GEMM needs x_q and w 16-byte aligned and y aligned to two elements")
+    if warpgroups not in (None, 1, 2):
+        raise ValueError(f"warpgroups must be 1 or 2, got {warpgroups}")
+    if m == 0:
+        return _nothing
+    if device.arch != ARCH:
+        raise RuntimeError(f"the prefill fp8 GEMM runs on {ARCH} (wgmma) only, this device is {device.arch}")
+    groups = warpgroups or warpgroups_for(m, n, device.sm_count)
+    box_rows = min(WARPGROUP_ROWS * groups, m)  # a box within the tensor: rows past it stay stale, unstored
+    kernel = device.kernel("gemm_fp8", f"fp8_prefill_gemm<{storage_name(out_dtype)},{groups}>", _names())
+    shared = shared_bytes(groups)
+    _allow_shared(kernel, shared)
+    args = [_tensor_map(x_q, m, k, box_rows), _tensor_map(w, n, k, TILE_N),
+            *(ctypes.c_void_p(p) for p in (y, x_scale, w_scale)), *(ctypes.c_int(v) for v in (m, n, k, box_rows))]
+    grid = (n // TILE_N, -(-m // (WARPGROUP_ROWS * groups)))
+    return kernel.bind(grid, 128 * groups + 32, args, shared=shared)
+
+
+def _tensor_map(ptr: int, rows: int, k: int, box_rows: int) -> ctypes.Array:
+    """The TMA descriptor of a row-major byte matrix [rows, k] read in boxes of box_rows x 128 bytes, which land
+    in shared memory with the 128-byte swizzle that wgmma's descriptors name; reads past the rows give zeros."""
+    d = drv()
+    u64, u32 = d.cuuint64_t, d.cuuint32_t
+    tensor_map = check(d.cuTensorMapEncodeTiled(
+        d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, ptr, [u64(k), u64(rows)], [u64(k)],
+        [u32(BLOCK), u32(box_rows)], [u32(1), u32(1)], d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B, d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
+    return (ctypes.c_ubyte * 128).from_buffer_copy(ctypes.string_at(int(tensor_map.getPtr()), 128))
+
+
+def _allow_shared(kernel, nbytes: int):
+    """Dynamic shared memory beyond 48 KB needs the opt-in; only ever raised, as compress._allow_shared."""
+    d = drv()
+    attr = d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if nbytes > check(d.cuFuncGetAttribute(attr, kernel.function)):
+        check(d.cuFuncSetAttribute(kernel.function, attr, nbytes))

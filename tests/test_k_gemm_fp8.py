@@ -1,0 +1,139 @@
+"""cuda_src/gemm_fp8.cu, the prefill fp8 GEMM (wgmma and TMA, sm_90a): against the faithful linear layer (numpy on
+the dequantised weight, reference.quant.act_quant on its input) at Flash and small shapes, both block heights, in a
+replayed graph; and, without a GPU, that its SASS runs on the tensor cores' GMMA instructions."""
+import functools
+import importlib.util
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from conftest import rel_rows
+from dsv4rt.loader.formats import dequant_fp8, quant_fp8
+from dsv4rt.reference import quant
+from test_k_fp8 import act_quant_bytes, fetch
+
+gpu = pytest.mark.gpu
+BF16 = ml_dtypes.bfloat16
+FLASH = [(1024, 4096), (32768, 1024), (4096, 8192), (2048, 4096)]  # [n, k]: wq_a, wq_b, wo_b, 4096 → 2048
+SMALL = [(128, 128), (128, 256), (256, 128), (256, 256)]
+SENTINEL = 12288.0  # in the rows past m of y, which the kernel must leave alone
+
+
+@functools.cache
+def fp8_weight(n: int, k: int):
+    """quant_fp8 of a random weight whose magnitude spreads over four decades from one 128 x 128 tile to the next,
+    so that a scale taken from the wrong tile shows: (e4m3 bytes, e8m0 bytes, the dequantised float32 weight)."""
+    rng = np.random.default_rng(n * 31 + k)
+    mag = np.repeat(np.repeat(10.0 ** rng.uniform(-3, 1, (n // 128, k // 128)), 128, 0), 128, 1) / np.sqrt(k)
+    q, s = quant_fp8(rng.standard_normal((n, k), dtype=np.float32) * mag.astype(np.float32))
+    return q.view(np.uint8), s.view(np.uint8), dequant_fp8(q, s)
+
+
+def activations(m: int, k: int) -> np.ndarray:
+    """Rows whose magnitude spreads over four decades from one 128-column block to the next."""
+    rng = np.random.default_rng(m * 131 + k)
+    mag = np.repeat(10.0 ** rng.uniform(-2, 2, (m, k // 128)), 128, axis=1)
+    return (rng.standard_normal((m, k)) * mag).astype(np.float32)
+
+
+def run_gemm(rt, dev, out_dtype, xq, xs, wq, ws, m, n, k, warpgroups):
+    """y from the GPU; the rows of its last block past m are checked to keep their sentinel."""
+    from dsv4rt.model import gemm_fp8
+    rows = -(-m // 128) * 128
+    dy = dev(np.full((rows, n), SENTINEL, out_dtype))
+    gemm_fp8.fp8_gemm(rt.device, dev(xq).ptr, dev(xs).ptr, dev(wq).ptr, dev(ws).ptr, dy.ptr, m, n, k, out_dtype,
+                      warpgroups=warpgroups)(rt.stream)
+    y = fetch(rt, dy, (rows, n), out_dtype).astype(np.float32)
+    assert (y[m:] == SENTINEL).all(), "rows past m written"
+    return y[:m]
+
+
+@gpu
+@pytest.mark.parametrize("n, k", FLASH + SMALL)
+@pytest.mark.parametrize("m", [1, 17, 128, 300, 1000])
+def test_prefill_gemm_matches_the_faithful_linear(rt, dev, m, n, k):
+    wq, ws, w = fp8_weight(n, k)
+    x = activations(m, k)
+    xq, xs, _ = act_quant_bytes(x)
+    want = quant.act_quant(x) @ w.T
+    errors = {(np.dtype(out).name, groups): rel_rows(run_gemm(rt, dev, out, xq, xs, wq, ws, m, n, k, groups),
+                                                     want).max()
+              for out in (np.float32, BF16) for groups in (1, 2)}
+    assert max(errors.values()) < 1e-2, errors
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+def test_act_quant_then_prefill_gemm_in_a_replayed_graph(rt, dev, dtype):
+    """The prefill pair as a CUDA graph holds it: quantise the activations, then the GEMM, replayed on new inputs."""
+    from dsv4rt.cuda.device import Graph
+    from dsv4rt.model import fp8, gemm_fp8
+    m, n, k = 300, 2048, 4096
+    wq, ws, w = fp8_weight(n, k)
+    dx, dq = dev(np.zeros((m, k), dtype)), dev(np.zeros((m, k), np.uint8))
+    ds, dy = dev(np.zeros((m, fp8.scale_columns(k)), np.uint8)), dev(np.full((m, n), np.nan, np.float32))
+    launches = [fp8.act_quant(rt.device, dtype, dq.ptr, ds.ptr, dx.ptr, m, k),
+                gemm_fp8.fp8_gemm(rt.device, dq.ptr, ds.ptr, dev(wq).ptr, dev(ws).ptr, dy.ptr, m, n, k, np.float32)]
+    graph = Graph(rt.stream)
+    with graph:
+        for launch in launches:
+            launch(rt.stream)
+    for trial in range(2):
+        x = activations(m + trial, k)[:m].astype(dtype).astype(np.float32)
+        dx.copy_from_host(x.astype(dtype))
+        graph.replay()
+        assert rel_rows(fetch(rt, dy, (m, n), np.float32), quant.act_quant(x) @ w.T).max() < 1e-2
+    graph.close()
+
+
+@pytest.mark.parametrize("n, k", [(200, 128), (128, 200), (128, 64), (0, 128)])
+def test_prefill_gemm_refuses_shapes_off_128(n, k):
+    from dsv4rt.model import gemm_fp8
+    with pytest.raises(ValueError, match="multiples of 128"):
+        gemm_fp8.fp8_gemm(None, 0, 0, 0, 0, 0, 1, n, k, np.float32)
+
+
+def test_prefill_gemm_refuses_misaligned_operands():
+    from dsv4rt.model import gemm_fp8
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        gemm_fp8.fp8_gemm(None, 8, 0, 0, 0, 0, 1, 128, 128, np.float32)
+
+
+def test_block_height_fills_the_multiprocessors_first():
+    from dsv4rt.model.gemm_fp8 import warpgroups_for
+    assert warpgroups_for(128, 1024, 132) == 1     # 8 blocks of 128 rows: 16 of 64
+    assert warpgroups_for(4096, 1024, 132) == 2    # 256 blocks of 128 rows
+    assert warpgroups_for(1000, 32768, 132) == 2
+
+
+def nvdisasm() -> str | None:
+    """nvdisasm on PATH or in an NVIDIA wheel (nvidia-cuda-nvdisasm: nvidia/cu13/bin, nvidia/cuda_nvdisasm/bin)."""
+    if found := shutil.which("nvdisasm"):
+        return found
+    spec = importlib.util.find_spec("nvidia")
+    roots = spec.submodule_search_locations if spec else []
+    return next((str(p) for root in roots for p in sorted(Path(root).glob("*/bin/nvdisasm"))), None)
+
+
+@pytest.mark.skipif(nvdisasm() is None, reason="no nvdisasm on PATH or in the nvidia wheels")
+def test_prefill_kernels_run_on_gmma(tmp_path, monkeypatch):
+    """Every instantiation, built as dsv4rt builds it for sm_90a, multiplies with QGMMA (wgmma on e4m3), loads with
+    TMA (UTMALDG), and ptxas kept its wgmma asynchronous."""
+    pytest.importorskip("cuda.bindings")
+    from dsv4rt.cuda.build import compile_module, instantiations, source_dir
+    monkeypatch.setenv("DSV4RT_CACHE_DIR", str(tmp_path / "kernels"))
+    module = compile_module("gemm_fp8", "sm_90a", instantiations((source_dir() / "gemm_fp8.cu").read_text()))
+    assert "serialized" not in module.log, module.log
+    cubin = tmp_path / "gemm_fp8.cubin"
+    cubin.write_bytes(module.cubin)
+    sass = subprocess.run([nvdisasm(), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    bodies = dict(re.findall(r"//-+ \.text\.(\S+) -+\n(.*?)(?=//-+ \.text\.|\Z)", sass, re.S))
+    assert sorted(bodies) == sorted(module.lowered.values())
+    for symbol, body in bodies.items():
+        assert len(re.findall(r"\bQGMMA\.64x128x32\.F32\.E4M3\.E4M3\b", body)) >= 4, symbol
+        assert "UTMALDG.2D" in body, symbol
