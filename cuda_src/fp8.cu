@@ -149,8 +149,9 @@ __global__ void __launch_bounds__(512) fp8_skinny_gemm(OutT* y, const unsigned c
                 for (int j = 0; j < 2; ++j)
 #pragma unroll
                     for (int h = 0; h < 2; ++h)
-                        mma_e4m3(d, word(w[u][0][j], 2 * h), word(w[u][1][j], 2 * h), word(w[u][0][j], 2 * h + 1),
-                                 word(w[u][1][j], 2 * h + 1), word(a[j], 2 * h), word(a[j], 2 * h + 1));
+                        mma<Mma::e4m3>(d, word(w[u][0][j], 2 * h), word(w[u][1][j], 2 * h),
+                                       word(w[u][0][j], 2 * h + 1), word(w[u][1][j], 2 * h + 1), word(a[j], 2 * h),
+                                       word(a[j], 2 * h + 1));
 #pragma unroll
                 for (int c = 0; c < 4; ++c) acc[i][c] = fmaf(d[c], s[c & 1], acc[i][c]);
             }

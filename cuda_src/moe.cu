@@ -250,14 +250,6 @@ __global__ void __launch_bounds__(kGemmThreads) moe_gemm(T* out, const T* a, con
 // through L1, which every warp of the block reads alike; fp32 accumulation, warp-shuffle sums.
 constexpr int kSkinnyRows = 8, kSkinnyWarps = 4, kSkinnyW = 4, kSkinnySteps = 2;
 
-// 16 bytes of a weight row, read once: no L1 allocation, so the activations stay there.
-__device__ __forceinline__ uint4 load_stream(const void* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
 template <typename T>
 __device__ __forceinline__ void unpack(const uint4& raw, float (&v)[kVec<T>]) {
     const T* e = reinterpret_cast<const T*>(&raw);

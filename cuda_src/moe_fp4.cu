@@ -137,9 +137,9 @@ __global__ void __launch_bounds__(32 * kFp4MaxWarps)
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
                     const unsigned w0 = word(w[u][m][0], q), w1 = word(w[u][m][1], q);
-                    mma_e4m3(d, e2m1x4_to_e4m3(w0, table[0]), e2m1x4_to_e4m3(w1, table[1]),
-                             e2m1x4_to_e4m3(w0 >> 16, table[0]), e2m1x4_to_e4m3(w1 >> 16, table[1]),
-                             word(a[q >> 1], 2 * (q & 1)), word(a[q >> 1], 2 * (q & 1) + 1));
+                    mma<Mma::e4m3>(d, e2m1x4_to_e4m3(w0, table[0]), e2m1x4_to_e4m3(w1, table[1]),
+                                   e2m1x4_to_e4m3(w0 >> 16, table[0]), e2m1x4_to_e4m3(w1 >> 16, table[1]),
+                                   word(a[q >> 1], 2 * (q & 1)), word(a[q >> 1], 2 * (q & 1) + 1));
                 }
                 // d[c]: weight row g + 8·(c / 2), activation row 2t + c % 2 of the tile
 #pragma unroll

@@ -6,15 +6,6 @@
 // dsv4rt-instantiate: skinny_gemm<__nv_bfloat16,2,4> skinny_gemm<__nv_bfloat16,2,8>
 #include "common.cuh"
 
-// d += a·b on the tensor cores: a 16 x 16 bf16 (row-major), b 16 x 8 bf16 (column-major), d 16 x 8 fp32.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                         unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // Cluster helpers in PTX (cooperative_groups needs headers NVRTC is not given here).
 __device__ __forceinline__ int cluster_rank() {
     int r;
@@ -40,15 +31,6 @@ __device__ __forceinline__ float load_shared_of(const float* p, int rank) {
 constexpr int kUnit = 64;  // columns of k a warp takes at a time: one 128-byte line of each of its 16 weight rows
 constexpr int kStage = 2;  // units a warp loads at once: it holds two stages, one in flight while it uses the other
 
-// 16 bytes of a weight row, read once: no L1 allocation, so the activations stay there; L2 fetches the
-// 256-byte span around it (measured: a median 1-3% faster, up to 7% on the LM head).
-__device__ __forceinline__ uint4 load_stream(const void* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
 // A warp's weight registers for one stage: [unit][weight row g, g + 8][j], its elements 32j + 8t .. + 7 of
 // the unit (units unit0 + u·splits); zeros past k or past n.
 __device__ __forceinline__ void load_stage(uint4 (&a)[kStage][2][2], const __nv_bfloat16* const (&wrow)[2],
@@ -60,7 +42,7 @@ __device__ __forceinline__ void load_stage(uint4 (&a)[kStage][2][2], const __nv_
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 const int at = (unit0 + u * splits) * kUnit + 32 * j + 8 * t;
-                a[u][r][j] = wok[r] && at < k ? load_stream(wrow[r] + at) : make_uint4(0, 0, 0, 0);
+                a[u][r][j] = wok[r] && at < k ? load_stream<true>(wrow[r] + at) : make_uint4(0, 0, 0, 0);
             }
 }
 
@@ -80,8 +62,8 @@ __device__ __forceinline__ void use_stage(float (&acc)[XT][4], const uint4 (&a)[
                 const int at = base + 32 * j + 8 * t;
                 const uint4 b = xok[i] && at < k ? __ldg(reinterpret_cast<const uint4*>(xrow[i] + at))
                                                  : make_uint4(0, 0, 0, 0);
-                mma_bf16(acc[i], a[u][0][j].x, a[u][1][j].x, a[u][0][j].y, a[u][1][j].y, b.x, b.y);
-                mma_bf16(acc[i], a[u][0][j].z, a[u][1][j].z, a[u][0][j].w, a[u][1][j].w, b.z, b.w);
+                mma<Mma::bf16>(acc[i], a[u][0][j].x, a[u][1][j].x, a[u][0][j].y, a[u][1][j].y, b.x, b.y);
+                mma<Mma::bf16>(acc[i], a[u][0][j].z, a[u][1][j].z, a[u][0][j].w, a[u][1][j].w, b.z, b.w);
             }
     }
 }

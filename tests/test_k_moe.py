@@ -3,27 +3,15 @@ decode kernel and the 64-row tiled one), the shared expert and the combine; tiny
 Flash sizes (16 experts to keep memory small); hash and routed layers; graph replay."""
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 from conftest import rel_rows
+from moe_cases import BF16, VOCAB, bf16_grid, check_graph_replay, every_layer_kind, held, layer_inputs, ran, upload
 from dsv4rt.reference.moe import MoE as MoERef, Expert
 from dsv4rt.reference.ops import Linear
 
 pytestmark = pytest.mark.gpu
-BF16 = ml_dtypes.bfloat16
-VOCAB = 1000
-
-
-def upload(rt, host):
-    buf = rt.arena.alloc(host.nbytes)
-    buf.copy_from_host(np.ascontiguousarray(host))
-    return buf
-
-
-def bf16_grid(a):
-    return a.astype(BF16).astype(np.float32)
 
 
 @dataclass
@@ -75,29 +63,17 @@ class Layer:
             shared = ExpertWeights(*(address(self.windows[n]) for n in ("s1", "s3", "s2")))
             bufs = dict(gate=upload(rt, self.gate.astype(dtype)), bias=upload(rt, self.bias),
                         tid2eid=upload(rt, self.tid2eid))
-            held = list(bufs.values()) + list(tables.values()) + pools
-            self.device[dtype] = (bufs, routed, shared, held)
+            buffers = list(bufs.values()) + list(tables.values()) + pools
+            self.device[dtype] = (bufs, routed, shared, buffers)
         return self.device[dtype]
 
     def free(self):
-        for _, _, _, held in self.device.values():
-            for b in held:
+        for _, _, _, buffers in self.device.values():
+            for b in buffers:
                 b.free()
         self.device.clear()
 
-    def inputs(self, tokens: int, hashed: bool, seed: int):
-        """x without near-ties in the routed top-k (the GPU's fp32 logits differ from numpy's in the last
-        bits), token ids for hash layers."""
-        rng = np.random.default_rng(seed)
-        x = bf16_grid(rng.standard_normal((tokens, self.dim), dtype=np.float32))
-        for _ in range(100):
-            logits = x.astype(np.float64) @ self.gate.T.astype(np.float64)
-            score = np.sort(np.sqrt(np.logaddexp(0, logits)) + self.bias, axis=1)[:, ::-1]
-            tie = score[:, self.active - 1] - score[:, self.active] < 1e-3
-            if hashed or not tie.any():
-                break
-            x[tie] = bf16_grid(rng.standard_normal((int(tie.sum()), self.dim), dtype=np.float32))
-        return x, rng.integers(0, VOCAB, tokens).astype(np.int32)
+    inputs = layer_inputs
 
 
 def build(rt, blas, layer: Layer, dtype, tokens: int, hashed: bool, x_buf, y_buf, with_shared=True):
@@ -114,21 +90,11 @@ def build(rt, blas, layer: Layer, dtype, tokens: int, hashed: bool, x_buf, y_buf
 
 
 def run_and_compare(rt, blas, layer, dtype, tokens, hashed, seed, with_shared=True):
-    x, ids = layer.inputs(tokens, hashed, seed)
-    dx, dy = upload(rt, x.astype(dtype)), upload(rt, np.full((tokens, layer.dim), np.nan, dtype))
-    moe, ws, dids = build(rt, blas, layer, dtype, tokens, hashed, dx, dy, with_shared)
-    dids.copy_from_host(ids)
-    moe(rt.stream)
-    rt.stream.synchronize()
-    y = dy.copy_to_host(np.empty((tokens, layer.dim), dtype)).astype(np.float32)
-    ref_moe = layer.reference(hashed, with_shared)
-    ref = ref_moe(x, ids)
-    err = rel_rows(y, ref).max()
-    assert err < (1e-5 if dtype == np.float32 else 1e-2), err
-    counts = check_sort(moe, ref_moe.route(x, ids)[0], tokens * layer.active)
-    for b in (dx, dy, ws, dids):
-        b.free()
-    return counts
+    with ran(rt, blas, layer, build, dtype, tokens, hashed, seed, with_shared=with_shared) as (moe, x, ids, y):
+        ref_moe = layer.reference(hashed, with_shared)
+        err = rel_rows(y, ref_moe(x, ids)).max()
+        assert err < (1e-5 if dtype == np.float32 else 1e-2), err
+        return check_sort(moe, ref_moe.route(x, ids)[0], tokens * layer.active)
 
 
 def check_sort(moe, ref_idx, pairs):
@@ -155,29 +121,21 @@ def check_sort(moe, ref_idx, pairs):
 
 @pytest.fixture(scope="module")
 def tiny():
-    layer = Layer(dim=64, inter=32, experts=8, active=2, limit=3.0)
-    yield layer
-    layer.free()
+    yield from held(Layer(dim=64, inter=32, experts=8, active=2, limit=3.0))
 
 
 @pytest.fixture(scope="module")
 def odd():
     """Sizes that fill no tile or vector run evenly: k of 9 and 5 vectors, 40 and 72 columns."""
-    layer = Layer(dim=72, inter=40, experts=12, active=3, limit=4.0)
-    yield layer
-    layer.free()
+    yield from held(Layer(dim=72, inter=40, experts=12, active=3, limit=4.0))
 
 
 @pytest.fixture(scope="module")
 def flash():
-    layer = Layer(dim=4096, inter=2048, experts=16, active=6, limit=10.0)
-    yield layer
-    layer.free()
+    yield from held(Layer(dim=4096, inter=2048, experts=16, active=6, limit=10.0))
 
 
-@pytest.mark.parametrize("dtype", [np.float32, BF16])
-@pytest.mark.parametrize("hashed", [False, True], ids=["routed", "hash"])
-@pytest.mark.parametrize("tokens", [1, 5, 77])
+@every_layer_kind([1, 5, 77])
 def test_tiny(rt, blas, tiny, dtype, hashed, tokens):
     run_and_compare(rt, blas, tiny, dtype, tokens, hashed, seed=tokens)
 
@@ -202,9 +160,7 @@ def test_odd_sizes(rt, blas, odd, dtype, hashed, tokens, skinny):
         assert counts.max() > 8
 
 
-@pytest.mark.parametrize("dtype", [np.float32, BF16])
-@pytest.mark.parametrize("hashed", [False, True], ids=["routed", "hash"])
-@pytest.mark.parametrize("tokens", [1, 8, 40, 300])
+@every_layer_kind([1, 8, 40, 300])
 def test_flash(rt, blas, flash, dtype, hashed, tokens):
     run_and_compare(rt, blas, flash, dtype, tokens, hashed, seed=1000 + tokens)
 
@@ -235,24 +191,4 @@ def test_route_matches_reference_exactly(rt, experts, active):
 
 
 def test_graph_replay_on_new_tokens(rt, blas, flash):
-    from dsv4rt.cuda.device import Graph, Stream
-    tokens, dtype = 8, BF16
-    dx, dy = upload(rt, np.zeros((tokens, flash.dim), dtype)), upload(rt, np.zeros((tokens, flash.dim), dtype))
-    moe, ws, ids = build(rt, blas, flash, dtype, tokens, False, dx, dy)
-    stream = Stream()
-    graph = Graph(stream)
-    with graph:
-        moe(stream)
-    ref_moe = flash.reference(False)
-    for seed in (5, 6):
-        x, token_ids = flash.inputs(tokens, False, seed)
-        dx.copy_from_host(x.astype(dtype))
-        dy.copy_from_host(np.full((tokens, flash.dim), np.nan, dtype))
-        graph.replay()
-        stream.synchronize()
-        y = dy.copy_to_host(np.empty((tokens, flash.dim), dtype)).astype(np.float32)
-        assert rel_rows(y, ref_moe(x, token_ids)).max() < 1e-2
-    graph.close()
-    stream.close()
-    for b in (dx, dy, ws, ids):
-        b.free()
+    check_graph_replay(rt, blas, flash, build)

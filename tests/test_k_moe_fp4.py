@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import rel_rows
+from moe_cases import BF16, VOCAB, bf16_grid, check_graph_replay, every_layer_kind, fetch, held, layer_inputs, ran, \
+    untied_inputs, upload
 from test_k_fp8 import act_quant_bytes
 from dsv4rt.loader.formats import dequant_fp4, dequant_fp8
 from dsv4rt.reference import quant
@@ -16,24 +18,6 @@ from dsv4rt.reference.moe import Expert, MoE as MoERef
 from dsv4rt.reference.ops import Linear
 
 pytestmark = pytest.mark.gpu
-BF16 = ml_dtypes.bfloat16
-VOCAB = 1000
-
-
-def upload(rt, host):
-    host = np.ascontiguousarray(host)
-    buf = rt.arena.alloc(max(host.nbytes, 16))
-    buf.copy_from_host(host)
-    return buf
-
-
-def fetch(rt, buf, shape, dtype) -> np.ndarray:
-    rt.stream.synchronize()
-    return buf.copy_to_host(np.empty(shape, dtype))
-
-
-def bf16_grid(a):
-    return a.astype(BF16).astype(np.float32)
 
 
 def fp4_weight(rng, n: int, k: int, spread: int):
@@ -49,22 +33,6 @@ def fp8_weight(rng, n: int, k: int):
     codes = (rng.standard_normal((n, k), dtype=np.float32) * 32).astype(ml_dtypes.float8_e4m3fn)
     level = 127 - round(float(np.log2(32 * np.sqrt(k))))
     return codes, (level + rng.integers(-1, 2, (-(-n // 128), -(-k // 128)))).astype(np.uint8)
-
-
-def untied_inputs(rng, gate, bias, active: int, tokens: int):
-    """x on the bf16 grid without near-ties in the routed top-k (the GPU's fp32 logits differ from numpy's in the
-    last bits); hash layers (bias None) take any x."""
-    x = bf16_grid(rng.standard_normal((tokens, gate.shape[1]), dtype=np.float32))
-    for _ in range(100):
-        if bias is None:
-            break
-        logits = x.astype(np.float64) @ gate.T.astype(np.float64)
-        score = np.sort(np.sqrt(np.logaddexp(0, logits)) + bias, axis=1)[:, ::-1]
-        tie = score[:, active - 1] - score[:, active] < 1e-3
-        if not tie.any():
-            break
-        x[tie] = bf16_grid(rng.standard_normal((int(tie.sum()), gate.shape[1]), dtype=np.float32))
-    return x
 
 
 # --- the expert GEMM on one expert ----------------------------------------------------------------------------
@@ -208,11 +176,7 @@ class Layer:
             b.free()
         self.held, self.gates, self.device = [], {}, None
 
-    def inputs(self, tokens: int, hashed: bool, seed: int):
-        rng = np.random.default_rng(seed)
-        x = untied_inputs(rng, self.gate, None if hashed else self.bias, self.active, tokens)
-        return x, rng.integers(0, VOCAB, tokens).astype(np.int32)
-
+    inputs = layer_inputs
 
 def build(rt, blas, layer: Layer, dtype, tokens: int, hashed: bool, x_buf, y_buf):
     from dsv4rt.model.moe import MoeDims
@@ -236,53 +200,36 @@ def routed_sets(moe) -> np.ndarray:
 
 
 def run_and_compare(rt, blas, layer: Layer, dtype, tokens: int, hashed: bool, seed: int):
-    x, ids = layer.inputs(tokens, hashed, seed)
-    dx, dy = upload(rt, x.astype(dtype)), upload(rt, np.full((tokens, layer.dim), np.nan, dtype))
-    moe, ws, dids = build(rt, blas, layer, dtype, tokens, hashed, dx, dy)
-    dids.copy_from_host(ids)
-    moe(rt.stream)
-    y = fetch(rt, dy, (tokens, layer.dim), dtype).astype(np.float32)
-    ref_moe = layer.reference(hashed)
-    assert np.array_equal(routed_sets(moe), np.sort(ref_moe.route(x, ids)[0], axis=1))
-    err = rel_rows(y, ref_moe(x, ids)).max()
-    assert err < 1e-2, err
-    for b in (dx, dy, ws, dids):
-        b.free()
+    with ran(rt, blas, layer, build, dtype, tokens, hashed, seed) as (moe, x, ids, y):
+        ref_moe = layer.reference(hashed)
+        assert np.array_equal(routed_sets(moe), np.sort(ref_moe.route(x, ids)[0], axis=1))
+        err = rel_rows(y, ref_moe(x, ids)).max()
+        assert err < 1e-2, err
 
 
 @pytest.fixture(scope="module")
 def flash():
-    layer = Layer(dim=4096, inter=2048, experts=32, active=6, limit=10.0)
-    yield layer
-    layer.free()
+    yield from held(Layer(dim=4096, inter=2048, experts=32, active=6, limit=10.0))
 
 
 @pytest.fixture(scope="module")
 def odd():
     """dim 160 and inter 96 end in short 128-column groups (the w1/w3 and w2 GEMMs' k)."""
-    layer = Layer(dim=160, inter=96, experts=12, active=3, limit=4.0, spread=3)
-    yield layer
-    layer.free()
+    yield from held(Layer(dim=160, inter=96, experts=12, active=3, limit=4.0, spread=3))
 
 
 @pytest.fixture(scope="module")
 def wide():
     """Block scales over 21 binades: groups past what e4m3 holds exactly."""
-    layer = Layer(dim=256, inter=128, experts=8, active=2, limit=6.0, spread=10)
-    yield layer
-    layer.free()
+    yield from held(Layer(dim=256, inter=128, experts=8, active=2, limit=6.0, spread=10))
 
 
-@pytest.mark.parametrize("dtype", [np.float32, BF16])
-@pytest.mark.parametrize("hashed", [False, True], ids=["routed", "hash"])
-@pytest.mark.parametrize("tokens", [1, 3, 8])
+@every_layer_kind([1, 3, 8])
 def test_flash(rt, blas, flash, dtype, hashed, tokens):
     run_and_compare(rt, blas, flash, dtype, tokens, hashed, seed=1000 + tokens)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, BF16])
-@pytest.mark.parametrize("hashed", [False, True], ids=["routed", "hash"])
-@pytest.mark.parametrize("tokens", [1, 3, 8, 40])
+@every_layer_kind([1, 3, 8, 40])
 def test_odd_sizes(rt, blas, odd, dtype, hashed, tokens):
     """40 tokens give experts several tiles each."""
     run_and_compare(rt, blas, odd, dtype, tokens, hashed, seed=2000 + tokens)
@@ -295,27 +242,7 @@ def test_wide_scale_spread(rt, blas, wide, dtype, tokens):
 
 
 def test_graph_replay_on_new_tokens(rt, blas, flash):
-    from dsv4rt.cuda.device import Graph, Stream
-    tokens, dtype = 8, BF16
-    dx, dy = upload(rt, np.zeros((tokens, flash.dim), dtype)), upload(rt, np.zeros((tokens, flash.dim), dtype))
-    moe, ws, ids = build(rt, blas, flash, dtype, tokens, False, dx, dy)
-    stream = Stream()
-    graph = Graph(stream)
-    with graph:
-        moe(stream)
-    ref_moe = flash.reference(False)
-    for seed in (5, 6):
-        x, token_ids = flash.inputs(tokens, False, seed)
-        dx.copy_from_host(x.astype(dtype))
-        dy.copy_from_host(np.full((tokens, flash.dim), np.nan, dtype))
-        graph.replay()
-        stream.synchronize()
-        y = dy.copy_to_host(np.empty((tokens, flash.dim), dtype)).astype(np.float32)
-        assert rel_rows(y, ref_moe(x, token_ids)).max() < 1e-2
-    graph.close()
-    stream.close()
-    for b in (dx, dy, ws, ids):
-        b.free()
+    check_graph_replay(rt, blas, flash, build)
 
 
 # --- a released-format checkpoint, uploaded raw -----------------------------------------------------------------

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from conftest import rel_rows
-from test_k_moe import BF16, Layer, upload
+from moe_cases import BF16, every_layer_kind, held, upload
+from test_k_moe import Layer
 
 pytestmark = pytest.mark.gpu
 TOKENS = [1, 7, 64, 127, 300]
@@ -57,30 +58,22 @@ def run_and_compare(rt, blas, layer, dtype, tokens, hashed, seed, with_shared=Tr
 @pytest.fixture(scope="module")
 def odd():
     """Sizes that fill no vector run or GEMM tile evenly: k of 9 and 5 vectors, 40 and 72 columns."""
-    layer = Layer(dim=72, inter=40, experts=12, active=3, limit=4.0)
-    yield layer
-    layer.free()
+    yield from held(Layer(dim=72, inter=40, experts=12, active=3, limit=4.0))
 
 
 @pytest.fixture(scope="module")
 def flash():
-    layer = Layer(dim=4096, inter=2048, experts=256, active=6, limit=10.0)
-    yield layer
-    layer.free()
+    yield from held(Layer(dim=4096, inter=2048, experts=256, active=6, limit=10.0))
 
 
-@pytest.mark.parametrize("dtype", [np.float32, BF16])
-@pytest.mark.parametrize("hashed", [False, True], ids=["routed", "hash"])
-@pytest.mark.parametrize("tokens", TOKENS)
+@every_layer_kind(TOKENS)
 def test_flash(rt, blas, flash, dtype, hashed, tokens):
     counts = run_and_compare(rt, blas, flash, dtype, tokens, hashed, seed=3000 + tokens)
     if tokens == 300:
         assert counts.max() > 8
 
 
-@pytest.mark.parametrize("dtype", [np.float32, BF16])
-@pytest.mark.parametrize("hashed", [False, True], ids=["routed", "hash"])
-@pytest.mark.parametrize("tokens", TOKENS)
+@every_layer_kind(TOKENS)
 def test_odd_sizes(rt, blas, odd, dtype, hashed, tokens):
     counts = run_and_compare(rt, blas, odd, dtype, tokens, hashed, seed=4000 + tokens)
     if tokens == 1:

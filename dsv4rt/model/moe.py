@@ -63,6 +63,11 @@ def _layout(d: MoeDims, dtype) -> dict[str, int]:
                  pos=d.pairs * i4, hidden=d.pairs * d.inter * t, expert_out=d.pairs * d.dim * t,
                  shared_g=d.tokens * d.shared_inter * f4, shared_u=d.tokens * d.shared_inter * f4,
                  shared_h=d.tokens * d.shared_inter * t, shared_out=d.tokens * d.dim * f4 if d.shared_inter else 0)
+    return packed_offsets(sizes)
+
+
+def packed_offsets(sizes: dict[str, int]) -> dict[str, int]:
+    """Byte offsets of arrays of these sizes laid one after another, each ALIGN-aligned, and their "total"."""
     offsets, at = {}, 0
     for name, size in sizes.items():
         offsets[name] = at
@@ -93,6 +98,64 @@ def route(device: Device, logits: int, idx: int, weight: int, tokens: int, exper
         ctypes.c_int(experts), ctypes.c_int(active), ctypes.c_float(scaling)])
 
 
+def check_layer(d: MoeDims, shared, bias: int | None, tid2eid: int | None, ids: int | None, multiple: int, why: str):
+    """What every MoE here asks of a layer: routing within the kernels' limits, dim and inter multiples of
+    `multiple` (`why`), a routed or a hash layer's inputs, the shared expert's weights with its inter."""
+    if not 0 < d.active <= min(MAX_ACTIVE, d.experts) or d.experts > MAX_EXPERTS:
+        raise ValueError(f"{d.active} of {d.experts} experts: at most {MAX_ACTIVE} of {MAX_EXPERTS}")
+    if d.dim % multiple or d.inter % multiple:
+        raise ValueError(f"dim and inter must be multiples of {multiple} ({why})")
+    if (bias is None) == (tid2eid is None) or (tid2eid is not None and ids is None):
+        raise ValueError("a routed layer gives bias, a hash layer tid2eid and ids")
+    if bool(d.shared_inter) != (shared is not None):
+        raise ValueError("shared_inter and the shared expert's weights go together")
+
+
+def kernel(device: Device, expr: str):
+    return device.kernel("moe", expr, _instances())
+
+
+def route_and_sort(device: Device, blas: Blas, dtype, d: MoeDims, at: dict[str, int], x: int, gate: int,
+                   scaling: float, tile_rows: int, *, bias: int | None, tid2eid: int | None,
+                   ids: int | None) -> list[Launch]:
+    """Gate GEMM (fp32 logits), routing and the counting sort of the pairs by expert into `tile_rows`-row tiles,
+    on the scratch arrays `at` of _layout's names."""
+    P, I = ctypes.c_void_p, ctypes.c_int
+    return [
+        linear(blas, dtype, x, gate, at["logits"], d.tokens, d.experts, d.dim, np.float32),
+        route(device, at["logits"], at["idx"], at["weight"], d.tokens, d.experts, d.active, scaling, bias=bias,
+              tid2eid=tid2eid, ids=ids),
+        kernel(device, "moe_sort").bind(1, 1024, [
+            P(at["offsets"]), P(at["tile_offsets"]), P(at["perm"]), P(at["pos"]), P(at["idx"]), I(d.pairs),
+            I(d.experts), I(tile_rows)]),
+    ]
+
+
+def swiglu(device: Device, dtype, h: int, g: int, u: int, n: int, limit: float) -> Launch:
+    """h [n] (dtype) = the clamped SwiGLU of fp32 g, u [n]."""
+    return kernel(device, f"swiglu<{storage_name(dtype)}>").bind(min(-(-n // 256), 4096), 256, [
+        ctypes.c_void_p(h), ctypes.c_void_p(g), ctypes.c_void_p(u), ctypes.c_longlong(n), ctypes.c_float(limit)])
+
+
+
+def shared_expert(device: Device, blas: Blas, dtype, d: MoeDims, at: dict[str, int], x: int, shared: ExpertWeights,
+                  limit: float) -> list[Launch]:
+    """shared_out (fp32) = the shared expert of x through cuBLAS, on the scratch arrays `at`."""
+    return [
+        linear(blas, dtype, x, shared.w1, at["shared_g"], d.tokens, d.shared_inter, d.dim, np.float32),
+        linear(blas, dtype, x, shared.w3, at["shared_u"], d.tokens, d.shared_inter, d.dim, np.float32),
+        swiglu(device, dtype, at["shared_h"], at["shared_g"], at["shared_u"], d.tokens * d.shared_inter, limit),
+        linear(blas, dtype, at["shared_h"], shared.w2, at["shared_out"], d.tokens, d.dim, d.shared_inter, np.float32),
+    ]
+
+def combine(device: Device, dtype, d: MoeDims, at: dict[str, int], y: int, shared: bool) -> Launch:
+    """y = Σ_slot weight · expert_out (+ shared_out) on the scratch arrays `at`."""
+    P, I = ctypes.c_void_p, ctypes.c_int
+    return kernel(device, f"moe_combine<{storage_name(dtype)}>").bind(d.tokens, 256, [
+        P(y), P(at["expert_out"]), P(at["shared_out"] if shared else 0), P(at["pos"]), P(at["weight"]),
+        I(d.active), I(d.dim)])
+
+
 @dataclass(frozen=True)
 class ExpertWeights:
     """Device addresses. Routed experts: pointer tables [experts] of w1 [inter, dim], w3 [inter, dim],
@@ -112,31 +175,14 @@ class MoE:
                  routed: ExpertWeights, shared: ExpertWeights | None, scaling: float, limit: float,
                  workspace: int, bias: int | None = None, tid2eid: int | None = None, ids: int | None = None):
         d = dims
-        if not 0 < d.active <= min(MAX_ACTIVE, d.experts) or d.experts > MAX_EXPERTS:
-            raise ValueError(f"{d.active} of {d.experts} experts: at most {MAX_ACTIVE} of {MAX_EXPERTS}")
-        if d.dim % 8 or d.inter % 8:
-            raise ValueError("dim and inter must be multiples of 8 (16-byte vectors)")
-        if (bias is None) == (tid2eid is None) or (tid2eid is not None and ids is None):
-            raise ValueError("a routed layer gives bias, a hash layer tid2eid and ids")
-        if bool(d.shared_inter) != (shared is not None):
-            raise ValueError("shared_inter and the shared expert's weights go together")
+        check_layer(d, shared, bias, tid2eid, ids, 8, "16-byte vectors")
         t = storage_name(dtype)
         at = {k: workspace + v for k, v in _layout(d, dtype).items()}
         self.dims, self.scratch = d, at
         P, I, V = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-
-        def kernel(expr):
-            return device.kernel("moe", expr, _instances())
-
         bm = d.tile_rows
-        launches = [
-            linear(blas, dtype, x, gate, at["logits"], d.tokens, d.experts, d.dim, np.float32),
-            route(device, at["logits"], at["idx"], at["weight"], d.tokens, d.experts, d.active, scaling, bias=bias,
-                  tid2eid=tid2eid, ids=ids),
-            kernel("moe_sort").bind(1, 1024, [
-                P(at["offsets"]), P(at["tile_offsets"]), P(at["perm"]), P(at["pos"]), P(at["idx"]),
-                I(d.pairs), I(d.experts), I(bm)]),
-        ]
+        launches = route_and_sort(device, blas, dtype, d, at, x, gate, scaling, bm, bias=bias, tid2eid=tid2eid,
+                                  ids=ids)
         # The skinny kernel carries the shared expert as row tiles of its own when its shapes match.
         fold = d.skinny and shared is not None and d.shared_inter == d.inter
         if d.skinny:
@@ -144,40 +190,32 @@ class MoE:
             tiles = d.max_tiles + -(-s_rows // SKINNY_ROWS)
             s1, s3, s2 = (shared.w1, shared.w3, shared.w2) if fold else (0, 0, 0)
             self.grouped = [
-                kernel(f"moe_skinny<{t},true>").bind((-(-d.inter // (SKINNY_WARPS * SKINNY_W // 2)), tiles),
-                                                     32 * SKINNY_WARPS, [
+                kernel(device, f"moe_skinny<{t},true>").bind(
+                    (-(-d.inter // (SKINNY_WARPS * SKINNY_W // 2)), tiles), 32 * SKINNY_WARPS, [
                     P(at["hidden"]), P(x), P(at["perm"]), I(d.active), P(routed.w1), P(routed.w3), P(at["offsets"]),
                     P(at["tile_offsets"]), I(d.experts), I(d.max_tiles), P(at["shared_h"]), P(x), P(s1), P(s3),
                     I(s_rows), I(d.inter), I(d.dim), V(limit)]),
-                kernel(f"moe_skinny<{t},false>").bind((-(-d.dim // (SKINNY_WARPS * SKINNY_W)), tiles),
-                                                      32 * SKINNY_WARPS, [
+                kernel(device, f"moe_skinny<{t},false>").bind(
+                    (-(-d.dim // (SKINNY_WARPS * SKINNY_W)), tiles), 32 * SKINNY_WARPS, [
                     P(at["expert_out"]), P(at["hidden"]), P(0), I(d.active), P(routed.w2), P(0), P(at["offsets"]),
                     P(at["tile_offsets"]), I(d.experts), I(d.max_tiles), P(at["shared_out"]), P(at["shared_h"]),
                     P(s2), P(0), I(s_rows), I(d.dim), I(d.inter), V(limit)]),
             ]
         else:
             self.grouped = [
-                kernel(f"moe_gemm<{t},{bm},true>").bind((-(-d.inter // TILE_N), d.max_tiles), GEMM_THREADS, [
+                kernel(device, f"moe_gemm<{t},{bm},true>").bind((-(-d.inter // TILE_N), d.max_tiles),
+                                                                GEMM_THREADS, [
                     P(at["hidden"]), P(x), P(at["perm"]), I(d.active), P(routed.w1), P(routed.w3), P(at["offsets"]),
                     P(at["tile_offsets"]), I(d.experts), I(d.inter), I(d.dim), V(limit)]),
-                kernel(f"moe_gemm<{t},{bm},false>").bind((-(-d.dim // TILE_N), d.max_tiles), GEMM_THREADS, [
+                kernel(device, f"moe_gemm<{t},{bm},false>").bind((-(-d.dim // TILE_N), d.max_tiles),
+                                                                 GEMM_THREADS, [
                     P(at["expert_out"]), P(at["hidden"]), P(0), I(d.active), P(routed.w2), P(0), P(at["offsets"]),
                     P(at["tile_offsets"]), I(d.experts), I(d.dim), I(d.inter), V(limit)]),
             ]
         launches += self.grouped
         if shared is not None and not fold:
-            n = d.tokens * d.shared_inter
-            launches += [
-                linear(blas, dtype, x, shared.w1, at["shared_g"], d.tokens, d.shared_inter, d.dim, np.float32),
-                linear(blas, dtype, x, shared.w3, at["shared_u"], d.tokens, d.shared_inter, d.dim, np.float32),
-                kernel(f"swiglu<{t}>").bind(min(-(-n // 256), 4096), 256, [
-                    P(at["shared_h"]), P(at["shared_g"]), P(at["shared_u"]), ctypes.c_longlong(n), V(limit)]),
-                linear(blas, dtype, at["shared_h"], shared.w2, at["shared_out"], d.tokens, d.dim, d.shared_inter,
-                       np.float32),
-            ]
-        launches.append(kernel(f"moe_combine<{t}>").bind(d.tokens, 256, [
-            P(y), P(at["expert_out"]), P(at["shared_out"] if shared is not None else 0), P(at["pos"]),
-            P(at["weight"]), I(d.active), I(d.dim)]))
+            launches += shared_expert(device, blas, dtype, d, at, x, shared, limit)
+        launches.append(combine(device, dtype, d, at, y, shared is not None))
         self.launches = launches if d.tokens else []
 
     def __call__(self, stream):

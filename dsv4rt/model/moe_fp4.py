@@ -13,13 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..cuda.arena import ALIGN
 from ..cuda.build import instantiations, source_dir
 from ..cuda.device import Device, Launch
 from ..cuda.ops import storage_name
 from . import fp8
-from .gemm import Blas, linear
-from .moe import MAX_ACTIVE, MAX_EXPERTS, MoeDims, _instances as moe_instances, route
+from .gemm import Blas
+from .moe import MoeDims, check_layer, combine, packed_offsets, route_and_sort, swiglu
 
 TILE_ROWS = 8       # kFp4Rows: activation rows of a tile
 TILE_COLUMNS = 16   # output columns of a block
@@ -29,9 +28,9 @@ IN_FLIGHT = 4       # kFp4InFlight: 16-byte weight vectors per row pair a thread
 
 
 @dataclass(frozen=True)
-class Fp4Experts:
-    """Device pointer tables [experts] (moe.pointer_table) of the routed experts' packed e2m1 weights, w1 and w3
-    [inter, dim/2], w2 [dim, inter/2], and of their e8m0 scales [rows, cols/32], as the checkpoint stores them."""
+class ScaledWeights:
+    """Device addresses of w1, w3 [inter, dim], w2 [dim, inter] and of their e8m0 scales, as the checkpoint
+    stores them."""
     w1: int
     w3: int
     w2: int
@@ -40,16 +39,13 @@ class Fp4Experts:
     w2_scale: int
 
 
-@dataclass(frozen=True)
-class Fp8Expert:
-    """The shared expert's device addresses: e4m3 w1, w3 [inter, dim], w2 [dim, inter] and their e8m0 scales per
-    128 x 128 tile, as the checkpoint stores them."""
-    w1: int
-    w3: int
-    w2: int
-    w1_scale: int
-    w3_scale: int
-    w2_scale: int
+class Fp4Experts(ScaledWeights):
+    """Pointer tables [experts] (moe.pointer_table) of the routed experts' packed e2m1 weights, w1 and w3
+    [inter, dim/2], w2 [dim, inter/2], and of their e8m0 scales [rows, cols/32]."""
+
+
+class Fp8Expert(ScaledWeights):
+    """The shared expert: e4m3 w1, w3 [inter, dim], w2 [dim, inter] and e8m0 scales per 128 x 128 tile."""
 
 
 @functools.cache
@@ -104,12 +100,7 @@ def _layout(d: MoeDims, dtype) -> dict[str, int]:
                  u=rows * d.inter * f4, hidden=rows * d.inter * f4, hq=rows * d.inter,
                  hs=rows * fp8.scale_columns(d.inter), expert_out=d.pairs * d.dim * t,
                  shared_out=d.tokens * d.dim * f4 if d.shared_inter else 0)
-    offsets, at = {}, 0
-    for name, size in sizes.items():
-        offsets[name] = at
-        at += -(-size // ALIGN) * ALIGN
-    offsets["total"] = at
-    return offsets
+    return packed_offsets(sizes)
 
 
 def workspace_bytes(dims: MoeDims, dtype) -> int:
@@ -126,35 +117,18 @@ class Fp4MoE:
                  routed: Fp4Experts, shared: Fp8Expert | None, scaling: float, limit: float, workspace: int,
                  bias: int | None = None, tid2eid: int | None = None, ids: int | None = None):
         d = dims
-        if not 0 < d.active <= min(MAX_ACTIVE, d.experts) or d.experts > MAX_EXPERTS:
-            raise ValueError(f"{d.active} of {d.experts} experts: at most {MAX_ACTIVE} of {MAX_EXPERTS}")
-        if d.dim % BLOCK or d.inter % BLOCK:
-            raise ValueError(f"dim and inter must be multiples of {BLOCK} (packed e2m1 rows of 16-byte vectors)")
-        if (bias is None) == (tid2eid is None) or (tid2eid is not None and ids is None):
-            raise ValueError("a routed layer gives bias, a hash layer tid2eid and ids")
-        if bool(d.shared_inter) != (shared is not None):
-            raise ValueError("shared_inter and the shared expert's weights go together")
+        check_layer(d, shared, bias, tid2eid, ids, BLOCK, "packed e2m1 rows of 16-byte vectors")
         if d.shared_inter not in (0, d.inter):
             raise ValueError(f"the shared expert's inter {d.shared_inter} differs from the routed {d.inter}")
-        t = storage_name(dtype)
         at = {k: workspace + v for k, v in _layout(d, dtype).items()}
         self.dims, self.scratch = d, at
-        P, I, V = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         F, D, T = d.inter, d.dim, d.tokens
         s_rows = T if shared is not None else 0
         rows = s_rows + d.pairs
         tiles = routed_tiles(d.pairs, d.experts)
-
-        def kernel(expr):
-            return device.kernel("moe", expr, moe_instances())
-
-        launches = [
-            linear(blas, dtype, x, gate, at["logits"], T, d.experts, D, np.float32),
-            route(device, at["logits"], at["idx"], at["weight"], T, d.experts, d.active, scaling, bias=bias,
-                  tid2eid=tid2eid, ids=ids),
-            kernel("moe_sort").bind(1, 1024, [
-                P(at["offsets"]), P(at["tile_offsets"]), P(at["perm"]), P(at["pos"]), P(at["idx"]), I(d.pairs),
-                I(d.experts), I(TILE_ROWS)]),
+        launches = route_and_sort(device, blas, dtype, d, at, x, gate, scaling, TILE_ROWS, bias=bias, tid2eid=tid2eid,
+                                  ids=ids)
+        launches += [
             fp8.act_quant(device, dtype, at["xq"], at["xs"], x, T, D),
             expert_gemm(device, np.float32, at["g"] + 4 * s_rows * F, at["xq"], at["xs"], routed.w1, routed.w1_scale,
                         at["offsets"], at["tile_offsets"], d.experts, tiles, F, D, perm=at["perm"], active=d.active,
@@ -164,8 +138,7 @@ class Fp4MoE:
             launches += [fp8.skinny_gemm(device, np.float32, at[out], at["xq"], at["xs"], w, s, T, F, D)
                          for out, w, s in (("g", shared.w1, shared.w1_scale), ("u", shared.w3, shared.w3_scale))]
         launches += [
-            kernel("swiglu<float>").bind(min(-(-rows * F // 256), 4096), 256, [
-                P(at["hidden"]), P(at["g"]), P(at["u"]), ctypes.c_longlong(rows * F), V(limit)]),
+            swiglu(device, np.float32, at["hidden"], at["g"], at["u"], rows * F, limit),
             fp8.act_quant(device, np.float32, at["hq"], at["hs"], at["hidden"], rows, F),
             expert_gemm(device, dtype, at["expert_out"], at["hq"] + s_rows * F,
                         at["hs"] + s_rows * fp8.scale_columns(F), routed.w2, routed.w2_scale, at["offsets"],
@@ -174,9 +147,7 @@ class Fp4MoE:
         if shared is not None:
             launches.append(fp8.skinny_gemm(device, np.float32, at["shared_out"], at["hq"], at["hs"], shared.w2,
                                             shared.w2_scale, T, D, F))
-        launches.append(kernel(f"moe_combine<{t}>").bind(T, 256, [
-            P(y), P(at["expert_out"]), P(at["shared_out"] if shared is not None else 0), P(at["pos"]),
-            P(at["weight"]), I(d.active), I(D)]))
+        launches.append(combine(device, dtype, d, at, y, shared is not None))
         self.launches = launches if T else []
 
     def __call__(self, stream):

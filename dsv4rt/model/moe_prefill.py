@@ -17,8 +17,8 @@ from ..cuda.device import Device, Stream
 from ..cuda.driver import check, drv
 from ..cuda.ops import storage_name
 from .gemm import _COMPUTE_32F, _COMPUTE_32F_PEDANTIC, _GEMM_DEFAULT, _OP_N, _OP_T, Blas, _check, _cublas, \
-    data_type, linear
-from .moe import MAX_ACTIVE, MAX_EXPERTS, ExpertWeights, MoeDims, _instances, route
+    data_type
+from .moe import ExpertWeights, MoeDims, check_layer, combine, kernel, route_and_sort, shared_expert, swiglu
 from .moe import _layout as moe_layout
 
 
@@ -87,54 +87,26 @@ class PrefillMoE:
                  routed: ExpertAddresses, shared: ExpertWeights | None, scaling: float, limit: float,
                  workspace: int, bias: int | None = None, tid2eid: int | None = None, ids: int | None = None):
         d = dims
-        if not 0 < d.active <= min(MAX_ACTIVE, d.experts) or d.experts > MAX_EXPERTS:
-            raise ValueError(f"{d.active} of {d.experts} experts: at most {MAX_ACTIVE} of {MAX_EXPERTS}")
-        if d.dim % 8 or d.inter % 8:
-            raise ValueError("dim and inter must be multiples of 8 (16-byte vectors)")
-        if (bias is None) == (tid2eid is None) or (tid2eid is not None and ids is None):
-            raise ValueError("a routed layer gives bias, a hash layer tid2eid and ids")
-        if bool(d.shared_inter) != (shared is not None):
-            raise ValueError("shared_inter and the shared expert's weights go together")
+        check_layer(d, shared, bias, tid2eid, ids, 8, "16-byte vectors")
         if not len(routed.w1) == len(routed.w3) == len(routed.w2) == d.experts:
             raise ValueError(f"routed addresses for {d.experts} experts")
         t, size = storage_name(dtype), np.dtype(dtype).itemsize
         at = {k: workspace + v for k, v in _layout(d, dtype).items()}
         self.dims, self.scratch, self.routed, self.size = d, at, routed, size
-        P, I, V = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-
-        def kernel(expr):
-            return device.kernel("moe", expr, _instances())
-
-        def swiglu(h, g, u, n):
-            return kernel(f"swiglu<{t}>").bind(min(-(-n // 256), 4096), 256, [P(h), P(g), P(u), ctypes.c_longlong(n),
-                                                                              V(limit)])
-
-        self.front = [
-            linear(blas, dtype, x, gate, at["logits"], d.tokens, d.experts, d.dim, np.float32),
-            route(device, at["logits"], at["idx"], at["weight"], d.tokens, d.experts, d.active, scaling, bias=bias,
-                  tid2eid=tid2eid, ids=ids),
-            kernel("moe_sort").bind(1, 1024, [  # its row tiles (64) go unused here
-                P(at["offsets"]), P(at["tile_offsets"]), P(at["perm"]), P(at["pos"]), P(at["idx"]), I(d.pairs),
-                I(d.experts), I(64)]),
-        ]
+        P, I = ctypes.c_void_p, ctypes.c_int
+        # moe_sort's row tiles (64) go unused here.
+        self.front = route_and_sort(device, blas, dtype, d, at, x, gate, scaling, 64, bias=bias, tid2eid=tid2eid,
+                                    ids=ids)
         # Issued after the synchronisation: the GPU gathers and runs the shared expert while the host issues
         # the routed GEMMs.
-        self.middle = [kernel(f"moe_gather<{t}>").bind(d.pairs, 256, [
+        self.middle = [kernel(device, f"moe_gather<{t}>").bind(d.pairs, 256, [
             P(at["expert_out"]), P(x), P(at["perm"]), I(d.active), I(d.dim)])]
         if shared is not None:
-            self.middle += [
-                linear(blas, dtype, x, shared.w1, at["shared_g"], d.tokens, d.shared_inter, d.dim, np.float32),
-                linear(blas, dtype, x, shared.w3, at["shared_u"], d.tokens, d.shared_inter, d.dim, np.float32),
-                swiglu(at["shared_h"], at["shared_g"], at["shared_u"], d.tokens * d.shared_inter),
-                linear(blas, dtype, at["shared_h"], shared.w2, at["shared_out"], d.tokens, d.dim, d.shared_inter,
-                       np.float32),
-            ]
+            self.middle += shared_expert(device, blas, dtype, d, at, x, shared, limit)
         self.up = BatchedGemm(blas, dtype, d.inter, d.dim, np.float32)
         self.down = BatchedGemm(blas, dtype, d.dim, d.inter, dtype)
-        self.swiglu = swiglu(at["hidden"], at["g"], at["u"], d.pairs * d.inter)
-        self.combine = kernel(f"moe_combine<{t}>").bind(d.tokens, 256, [
-            P(y), P(at["expert_out"]), P(at["shared_out"] if shared is not None else 0), P(at["pos"]),
-            P(at["weight"]), I(d.active), I(d.dim)])
+        self.swiglu = swiglu(device, dtype, at["hidden"], at["g"], at["u"], d.pairs * d.inter, limit)
+        self.combine = combine(device, dtype, d, at, y, shared is not None)
         self.offsets = np.zeros(d.experts + 1, np.int32)
 
     def __call__(self, stream: Stream):
