@@ -1,7 +1,8 @@
 // dsv4rt-instantiate: compress_pool<float> compress_pool<__nv_bfloat16>
 // dsv4rt-instantiate: compress_pool<float,true> compress_pool<__nv_bfloat16,true>
+// dsv4rt-instantiate: compress_pool<float,false,true>
 #include "compress.cuh"
-#include "kv_fp8.cuh"
+#include "indexer_fp4.cuh"
 
 // The KV compressor of MODEL.md section 5 fused with its RMSNorm, RoPE and cache insert.
 //
@@ -17,6 +18,8 @@
 // Reads of the state cache touch positions before this launch's rows only, writes its rows only.
 // Fp8Kv (the main cache, width <= kMaxHeadDim): `out` holds faithful-mode entries (kv_fp8.cuh); the first warp
 // norms, ropes and encodes the pooled entry, a lane's chunks as in attention.cuh.
+// Fp4Keys (the indexer cache): `out` holds the packed entries of indexer_fp4.cuh, whatever the storage type (T is
+// unused); the first warp rotates and encodes the normed, roped entry.
 
 struct Candidate {
     const float* a;    // nullptr: absent (the previous window of entry 0)
@@ -24,13 +27,14 @@ struct Candidate {
     const float* ape;
 };
 
-template <typename T, bool Fp8Kv = false>
+template <typename T, bool Fp8Kv = false, bool Fp4Keys = false>
 __global__ void __launch_bounds__(512) compress_pool(
         char* out_base, const long long* out_pages, const int* out_start, int out_per_page, int out_entry_bytes,
         char* state_base, const long long* state_pages, const int* state_start, int state_per_page,
         int state_entry_bytes, const float* a, const float* z, const float* ape, const float* norm,
         const float* inv_freq, const int* pos, const int* req, int rows, int width, int ratio, int overlap,
         int rope_dim, float eps) {
+    static_assert(!(Fp8Kv && Fp4Keys), "one cache format");
     extern __shared__ __align__(16) unsigned char smem[];
     const int t = blockIdx.x, request = req[t];
     if (request < 0) return;
@@ -113,6 +117,7 @@ __global__ void __launch_bounds__(512) compress_pool(
     }
     T* dst = reinterpret_cast<T*>(
         paged_entry(out_base, out_pages + out_start[request], out_per_page, out_entry_bytes, j));
+    float* x = pooled + width;  // Fp4Keys: hadamard_size(width) floats, the entry and zeros after it
     const int rope_from = width - rope_dim;
     for (int ch = threadIdx.x; ch < width; ch += blockDim.x) {
         float y = pooled[ch] * scale * norm[ch];
@@ -123,6 +128,15 @@ __global__ void __launch_bounds__(512) compress_pool(
             sincosf(static_cast<float>(j * ratio) * inv_freq[pair >> 1], &s, &c);
             y = (pair & 1) ? y * c + partner * s : y * c - partner * s;
         }
-        dst[ch] = from_float<T>(y);
+        if constexpr (Fp4Keys) {
+            x[ch] = y;
+        } else {
+            dst[ch] = from_float<T>(y);
+        }
+    }
+    if constexpr (Fp4Keys) {
+        for (int ch = width + threadIdx.x; ch < hadamard_size(width); ch += blockDim.x) x[ch] = 0.f;
+        __syncthreads();
+        if (threadIdx.x < 32) store_fp4_key(reinterpret_cast<unsigned char*>(dst), x, width, threadIdx.x);
     }
 }

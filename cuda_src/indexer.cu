@@ -1,9 +1,14 @@
-// dsv4rt-instantiate: indexer_scores<float> indexer_scores<__nv_bfloat16> indexer_scores_mma indexer_topk
+// dsv4rt-instantiate: indexer_scores<float> indexer_scores<__nv_bfloat16> indexer_scores_mma<false> indexer_topk
+// dsv4rt-instantiate: indexer_q_fp4<float> indexer_q_fp4<__nv_bfloat16> indexer_scores<float,true>
+// dsv4rt-instantiate: indexer_scores<__nv_bfloat16,true> indexer_scores_mma<true>
 #include "compress.cuh"
+#include "indexer_fp4.cuh"
 
 // The lightning indexer of MODEL.md section 6 in two kernels: scores into a float32 workspace
 // [rows, n_max], then an exact top-k per row. Row t is one query: req[t] (< 0: padding), pos[t];
 // it sees entries j < min((pos[t] + 1) / ratio, n_max) of its request's indexer-key cache.
+// Faithful numerics (Fp4Keys): the keys are indexer_fp4.cuh's packed entries, dequantised exactly into the
+// shared-memory key tiles, and indexer_q_fp4 has rotated and rounded q beforehand.
 
 constexpr int kHeads = 64;        // heads per block: n_heads ≤ 64, the missing ones weigh 0
 constexpr int kKeys = 64;         // keys per tile
@@ -36,7 +41,7 @@ __device__ __forceinline__ void rope_table(float2* cs, const float* inv_freq, in
 // the last rope_dim channels when inv_freq is given; w float32 [rows, n_heads]; keys: T [dim] entries.
 // Grid (splits, rows): block x walks the key tiles x, x + splits, ... of its row; dim % 8 == 0.
 // Exact float32 arithmetic: the float build, and the bf16 build where the tensor-core kernel does not fit.
-template <typename T>
+template <typename T, bool Fp4Keys = false>
 __global__ void __launch_bounds__(kScoreThreads, 2) indexer_scores(
         float* scores, const T* q, const float* w, char* key_base, const long long* key_pages,
         const int* page_start, int per_page, int entry_bytes, const int* pos, const int* req,
@@ -79,11 +84,25 @@ __global__ void __launch_bounds__(kScoreThreads, 2) indexer_scores(
     const int hg = threadIdx.x >> 4, kg = threadIdx.x & 15;  // heads hg + 16i, keys kg + 16i
     for (int j0 = blockIdx.x * kKeys; j0 < visible; j0 += gridDim.x * kKeys) {
         __syncthreads();  // the last tile's keys and partials are consumed (and q is roped)
-        for (int i = threadIdx.x; i < kKeys * vecs; i += kScoreThreads) {
-            const int r = i / vecs, c = i % vecs * V, j = j0 + r;
-            const T* key = j < visible
-                ? reinterpret_cast<const T*>(paged_entry(key_base, pages, per_page, entry_bytes, j)) + c : nullptr;
-            load_or_zero<T, V>(key, key != nullptr, ks + r * stride + c);
+        if constexpr (Fp4Keys) {
+            const int octets = dim / 8;
+            for (int i = threadIdx.x; i < kKeys * octets; i += kScoreThreads) {
+                const int r = i / octets, o = i % octets, j = j0 + r;
+                float v[8] = {};
+                if (j < visible)
+                    load_fp4_octet(reinterpret_cast<const unsigned char*>(
+                                       paged_entry(key_base, pages, per_page, entry_bytes, j)), dim, o, v);
+                float4* dst = reinterpret_cast<float4*>(ks + r * stride + 8 * o);
+                dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+                dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+            }
+        } else {
+            for (int i = threadIdx.x; i < kKeys * vecs; i += kScoreThreads) {
+                const int r = i / vecs, c = i % vecs * V, j = j0 + r;
+                const T* key = j < visible
+                    ? reinterpret_cast<const T*>(paged_entry(key_base, pages, per_page, entry_bytes, j)) + c : nullptr;
+                load_or_zero<T, V>(key, key != nullptr, ks + r * stride + c);
+            }
         }
         __syncthreads();
         float acc[4][4] = {};
@@ -121,16 +140,62 @@ __global__ void __launch_bounds__(kScoreThreads, 2) indexer_scores(
     }
 }
 
+// ---------------------------------------------------------------- faithful-mode queries
+
+constexpr int kQThreads = 256;  // a warp per head
+
+// q [rows, n_heads, dim] (T) in place, as reference.quant.indexer_round after the reference's RoPE: roped at pos[t]
+// on the last rope_dim channels when inv_freq is given, rotated, rounded onto e2m1 with a scale per 32 and stored
+// as values (exact in bf16). Rows with req < 0 are left alone. One block per row; dynamic shared memory: the rope
+// table, then hadamard_size(dim) floats per warp.
+template <typename T>
+__global__ void __launch_bounds__(kQThreads) indexer_q_fp4(T* q, const int* pos, const int* req,
+                                                           const float* inv_freq, int rope_dim, int n_heads, int dim) {
+    extern __shared__ __align__(16) float rows[];
+    const int t = blockIdx.x, lane = threadIdx.x & 31, n = hadamard_size(dim);
+    if (req[t] < 0) return;
+    float2* cs = reinterpret_cast<float2*>(rows);
+    float* x = rows + rope_dim + (threadIdx.x >> 5) * n;
+    if (inv_freq) rope_table(cs, inv_freq, rope_dim, pos[t]);
+    __syncthreads();
+    for (int h = threadIdx.x >> 5; h < n_heads; h += kQThreads / 32) {
+        T* head = q + (static_cast<size_t>(t) * n_heads + h) * dim;
+        for (int d = lane; d < n; d += 32) x[d] = d < dim ? to_float(head[d]) : 0.f;
+        __syncwarp();
+        if (inv_freq) {
+            for (int k = lane; k < rope_dim / 2; k += 32) {
+                float* p = x + dim - rope_dim + 2 * k;
+                const float ev = p[0], od = p[1];
+                p[0] = ev * cs[k].x - od * cs[k].y;
+                p[1] = od * cs[k].x + ev * cs[k].y;
+            }
+        }
+        hadamard_warp(x, n, lane);
+        for (int d0 = 0; d0 < dim; d0 += kFp4Block) {
+            const Fp4Value v = fp4_round(x, dim, n, d0 + lane);
+            if (d0 + lane < dim) head[d0 + lane] = from_float<T>(e2m1_value(v.code) * e8m0_value(v.scale));
+        }
+        __syncwarp();  // x is read before the next head overwrites it
+    }
+}
+
 // ---------------------------------------------------------------- bf16 scores on the tensor cores
 
 constexpr int kMmaDim = 128;         // head_dim of the tensor-core kernel (Flash and Pro)
 constexpr int kMmaThreads = 256;     // 8 warps: 2 halves of the heads × 4 strips of 16 keys
 constexpr int kStages = 4;           // key tiles in flight per block (cp.async)
 constexpr int kKeyStride = kMmaDim + 8;  // bf16 per key row in shared memory: 272 B, ldmatrix rows on distinct banks
+constexpr int kFp4Stages = 8;        // packed key tiles in flight per block (a quarter of the bytes of a bf16 tile)
+constexpr int kFp4Words = kMmaDim / 8 + kMmaDim / kFp4Block / 4;  // a packed entry: 16 words of codes, 1 of scales
 
 __device__ __forceinline__ void cp_async16_or_zero(void* smem, const void* gmem, bool valid) {
     const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void cp_async4_or_zero(void* smem, const void* gmem, bool valid) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 4 : 0));
 }
 
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
@@ -146,19 +211,48 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Raw packed entries [kKeys][kFp4Words] into the bf16 key tile; thread: key row tid % kKeys, scale block
+// tid / kKeys (conflict-free: raw rows are an odd number of words apart, a warp's 16-byte stores 8 rows apart).
+__device__ __forceinline__ void dequantise_fp4_tile(__nv_bfloat16* tile, const unsigned* raw) {
+    static_assert(kKeys * kMmaDim / kFp4Block == kMmaThreads, "a scale block per thread");
+    const int row = threadIdx.x % kKeys, block = threadIdx.x / kKeys;
+    const unsigned* src = raw + row * kFp4Words;
+    const unsigned byte = src[kFp4Words - 1] >> 8 * block & 0xffu;
+    const __nv_bfloat162 scale = __halves2bfloat162(__ushort_as_bfloat16(static_cast<unsigned short>(byte << 7)),
+                                                    __ushort_as_bfloat16(static_cast<unsigned short>(byte << 7)));
+    uint4* dst = reinterpret_cast<uint4*>(tile + row * kKeyStride + kFp4Block * block);
+#pragma unroll
+    for (int c = 0; c < kFp4Block / 8; ++c) {
+        uint4 v = e2m1x8_bf16(src[kFp4Block / 8 * block + c]);
+        unsigned* w = reinterpret_cast<unsigned*>(&v);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const __nv_bfloat162 p = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(w + k), scale);
+            w[k] = *reinterpret_cast<const unsigned*>(&p);
+        }
+        dst[c] = v;
+    }
+}
+
 // The bf16 indexer_scores for head_dim kMmaDim (same arguments less dim): keys × qᵀ on the tensor cores
 // with float32 accumulation. q is roped in float32 and rounded to bf16, as a caller-roped q is stored.
 // Warp (half, strip) holds the B fragments of heads 32·half … +31 in registers for the whole launch and
 // multiplies the 16 keys of its strip of every 64-key tile; the two halves' weighted sums meet in shared
 // memory one tile later. Grid (splits, rows) as indexer_scores.
+// Fp4Keys: the packed entries (4-byte aligned) stream into kFp4Stages raw tiles; each tile is dequantised into
+// the one bf16 key tile (thread: key row tid % 64, scale block tid / 64) between two barriers.
+template <bool Fp4Keys>
 __global__ void __launch_bounds__(kMmaThreads, 2) indexer_scores_mma(
         float* scores, const __nv_bfloat16* q, const float* w, char* key_base, const long long* key_pages,
         const int* page_start, int per_page, int entry_bytes, const int* pos, const int* req,
         const float* inv_freq, int rope_dim, int n_heads, int n_max, int ratio) {
-    extern __shared__ __align__(16) __nv_bfloat16 stage[];  // [kStages][kKeys][kKeyStride]
+    // [kStages][kKeys][kKeyStride]; Fp4Keys: [kKeys][kKeyStride], then raw words [kFp4Stages][kKeys][kFp4Words]
+    extern __shared__ __align__(16) __nv_bfloat16 stage[];
     __shared__ float2 cs[kMmaDim / 2];
     __shared__ float partial[2][2][kKeys];  // [tile parity][half][key]
     constexpr int kSteps = kMmaDim / 16, kChunks = kKeys * kMmaDim / 8 / kMmaThreads;
+    constexpr int S = Fp4Keys ? kFp4Stages : kStages;
+    unsigned* raw = reinterpret_cast<unsigned*>(stage + kKeys * kKeyStride);
     const int t = blockIdx.y, request = req[t];
     if (request < 0) return;
     const int m = pos[t], visible = min((m + 1) / ratio, n_max);
@@ -166,21 +260,30 @@ __global__ void __launch_bounds__(kMmaThreads, 2) indexer_scores_mma(
     const int tiles = (visible + kKeys - 1) / kKeys, mine = (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x;
     const long long* pages = key_pages + page_start[request];
 
-    // Thread copies key row tid / 4 of a tile, 16-byte chunks tid % 4 + 4c.
+    // Thread copies key row tid / 4 of a tile, 16-byte chunks tid % 4 + 4c (Fp4Keys: 4-byte words tid % 4 + 4c, and
+    // the scale word 16 if tid % 4 == 0).
     const int copy_row = threadIdx.x >> 2, copy_chunk = threadIdx.x & 3;
     auto issue = [&](int i) {
         if (i < mine) {
             const int j = (blockIdx.x + i * gridDim.x) * kKeys + copy_row;
             const bool valid = j < visible;
             const char* src = valid ? paged_entry(key_base, pages, per_page, entry_bytes, j) : key_base;
-            __nv_bfloat16* dst = stage + ((i % kStages) * kKeys + copy_row) * kKeyStride;
+            if constexpr (Fp4Keys) {
+                unsigned* dst = raw + ((i % S) * kKeys + copy_row) * kFp4Words;
 #pragma unroll
-            for (int c = 0; c < kChunks; ++c)
-                cp_async16_or_zero(dst + (copy_chunk + 4 * c) * 8, src + (copy_chunk + 4 * c) * 16, valid);
+                for (int c = 0; c < kFp4Words / 4; ++c)
+                    cp_async4_or_zero(dst + copy_chunk + 4 * c, src + (copy_chunk + 4 * c) * 4, valid);
+                if (copy_chunk == 0) cp_async4_or_zero(dst + kFp4Words - 1, src + (kFp4Words - 1) * 4, valid);
+            } else {
+                __nv_bfloat16* dst = stage + ((i % S) * kKeys + copy_row) * kKeyStride;
+#pragma unroll
+                for (int c = 0; c < kChunks; ++c)
+                    cp_async16_or_zero(dst + (copy_chunk + 4 * c) * 8, src + (copy_chunk + 4 * c) * 16, valid);
+            }
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
-    for (int i = 0; i < kStages - 1; ++i) issue(i);
+    for (int i = 0; i < S - 1; ++i) issue(i);
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, half = warp & 1, strip = warp >> 1;
     const int g = lane >> 2, l4 = lane & 3;
@@ -221,12 +324,16 @@ __global__ void __launch_bounds__(kMmaThreads, 2) indexer_scores_mma(
     const unsigned a_base = static_cast<unsigned>(__cvta_generic_to_shared(
         stage + (strip * 16 + (lane & 15)) * kKeyStride + 8 * (lane >> 4)));
     for (int i = 0; i < mine; ++i) {
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2));
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(S - 2));
         __syncthreads();  // tile i landed for every thread; tile i − 1 is consumed, its stage free again
         if (i > 0) store(i - 1);
-        issue(i + kStages - 1);
+        issue(i + S - 1);
+        if constexpr (Fp4Keys) {
+            dequantise_fp4_tile(stage, raw + (i % S) * kKeys * kFp4Words);
+            __syncthreads();
+        }
         float acc[4][4] = {};
-        const unsigned a_tile = a_base + (i % kStages) * kKeys * kKeyStride * 2;
+        const unsigned a_tile = a_base + (Fp4Keys ? 0 : (i % S) * kKeys * kKeyStride * 2);
 #pragma unroll
         for (int s = 0; s < kSteps; ++s) {
             unsigned a[4];

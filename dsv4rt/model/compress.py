@@ -19,14 +19,38 @@ WAVES = 4                 # score blocks per SM to aim for when splitting rows o
 MMA_DIM = 128             # kMmaDim: head_dim of the bf16 tensor-core score kernel
 MMA_STAGES = 4            # kStages
 MMA_BLOCKS_PER_SM = 2     # its __launch_bounds__ minimum: one wave of blocks streams all keys
+MMA_FP4_STAGES = 8        # kFp4Stages: packed key tiles in flight
+Q_THREADS = 256           # kQThreads of indexer_q_fp4: a warp per head
+FP4_BLOCK = 32            # kFp4Block: values per e8m0 scale of an indexer key
 CLUSTER = 8               # kCluster: top-k blocks per row
 SELECT_THREADS = 512
 CANDIDATES = 3072         # top-k candidates a block holds in shared memory (24 KB)
 MAX_GRID_Y = 65535
 
 _POOL = ("compress_pool<float>", "compress_pool<__nv_bfloat16>", "compress_pool<float,true>",
-         "compress_pool<__nv_bfloat16,true>")
-_INDEXER = ("indexer_scores<float>", "indexer_scores<__nv_bfloat16>", "indexer_scores_mma", "indexer_topk")
+         "compress_pool<__nv_bfloat16,true>", "compress_pool<float,false,true>")
+_INDEXER = ("indexer_scores<float>", "indexer_scores<__nv_bfloat16>", "indexer_scores_mma<false>", "indexer_topk",
+            "indexer_q_fp4<float>", "indexer_q_fp4<__nv_bfloat16>", "indexer_scores<float,true>",
+            "indexer_scores<__nv_bfloat16,true>", "indexer_scores_mma<true>")
+
+
+def indexer_entry_bytes(dtype, dim: int, fp4_keys: bool = False) -> int:
+    """Bytes of one indexer-key entry as the kernels store it; a cache's entries may lie further apart.
+
+    fp4_keys (faithful numerics, MODEL.md section 9) stores the key after the Hadamard rotation as e2m1 codes
+    (two per byte, low nibble = even index) and one e8m0 scale byte per 32 values: the bytes of
+    reference.layouts.encode_indexer_key, 68 at dim 128, in both builds. Unlike the main cache, whose float32
+    build keeps float32 rows because packing would round the rope dims to bf16, nothing here is left unrounded:
+    the entry holds exactly reference.quant.indexer_round's values, and dequantising it is exact in float32 and
+    in bf16, so the float32 build scores in exact float32 on the reference's values from the same 68 bytes."""
+    if fp4_keys:
+        return dim // 2 + -(-dim // FP4_BLOCK)
+    return dim * np.dtype(dtype).itemsize
+
+
+def hadamard_size(dim: int) -> int:
+    """The power of two the rotation pads a row of `dim` values to (reference.quant.rotate)."""
+    return 1 << (dim - 1).bit_length()
 
 
 def state_keep_from(length: int, ratio: int, overlap: bool) -> int:
@@ -38,7 +62,7 @@ def state_keep_from(length: int, ratio: int, overlap: bool) -> int:
 
 def compress_pool(device: Device, dtype, out: PagedCache, state: PagedCache, a: int, z: int, ape: int, norm: int,
                   inv_freq: int, positions: int, req: int, *, rows: int, width: int, ratio: int, overlap: bool,
-                  rope_dim: int, eps: float, fp8_kv: bool = False) -> Launch | LaunchSequence:
+                  rope_dim: int, eps: float, fp8_kv: bool = False, fp4_keys: bool = False) -> Launch | LaunchSequence:
     """Fusion 1 over `rows` tokens (req[t] < 0: padding; each request's rows contiguous, consecutive positions).
 
     a, z: float32 [rows, c·width] (c = 2 if overlap), z without ape; ape float32 [ratio, c·width];
@@ -48,13 +72,21 @@ def compress_pool(device: Device, dtype, out: PagedCache, state: PagedCache, a: 
     ≥ state_keep_from(length after this launch) are copied into `state`; those before the launch's
     first row are read from it and must be held there. fp8_kv (the main cache in faithful numerics, width at
     most 512 and a multiple of 8): entries rounded and stored as model.attention.kv_entry_bytes describes.
+    fp4_keys (the indexer cache in faithful numerics): entries rotated, rounded and packed as indexer_entry_bytes
+    describes, the same bytes in both builds.
     """
     if not (width > 0 and 0 <= rope_dim <= width and rope_dim % 2 == 0 and width % 2 == 0):
         raise ValueError(f"width {width} and rope_dim {rope_dim} must be even, rope_dim ≤ width")
     c = 2 if overlap else 1
     if state.entry_bytes < 2 * c * width * 4:
         raise ValueError(f"state entries of {state.entry_bytes} B cannot hold a and z ({2 * c * width} floats)")
-    if fp8_kv:
+    if fp8_kv and fp4_keys:
+        raise ValueError("fp8_kv is the main cache's format, fp4_keys the indexer cache's: one of them")
+    if fp4_keys:
+        if out.entry_bytes < indexer_entry_bytes(dtype, width, True):
+            raise ValueError(f"fp4 entries of width {width} need {indexer_entry_bytes(dtype, width, True)} B, "
+                             f"the cache has {out.entry_bytes}")
+    elif fp8_kv:
         need, align = kv_entry_bytes(dtype, width, rope_dim, True), 8 if packed_kv(dtype, True) else 16
         if width > MAX_HEAD_DIM or width % 8 or rope_dim % 8 or out.entry_bytes < need or out.entry_bytes % align:
             raise ValueError(f"fp8 entries need width ≤ {MAX_HEAD_DIM} and rope_dim multiples of 8 and "
@@ -64,8 +96,13 @@ def compress_pool(device: Device, dtype, out: PagedCache, state: PagedCache, a: 
         raise ValueError(f"cache entries of {out.entry_bytes} B cannot hold {width} elements")
     if rows == 0:
         return LaunchSequence()
-    k = device.kernel("compress", f"compress_pool<{storage_name(dtype)}{',true' if fp8_kv else ''}>", _POOL)
+    if fp4_keys:   # the packed entry does not depend on the storage type: one instantiation serves both builds
+        k = device.kernel("compress", "compress_pool<float,false,true>", _POOL)
+    else:
+        k = device.kernel("compress", f"compress_pool<{storage_name(dtype)}{',true' if fp8_kv else ''}>", _POOL)
     shared = c * ratio * 24 + width * 4   # a Candidate (3 pointers) per pooled position, the pooled entry
+    if fp4_keys:
+        shared += hadamard_size(width) * 4   # the entry padded for the rotation
     args = [*out.args(), *state.args(), *(ctypes.c_void_p(p) for p in (a, z, ape, norm, inv_freq, positions, req)),
             ctypes.c_int(rows), ctypes.c_int(width), ctypes.c_int(ratio), ctypes.c_int(int(overlap)),
             ctypes.c_int(rope_dim), ctypes.c_float(eps)]
@@ -74,7 +111,8 @@ def compress_pool(device: Device, dtype, out: PagedCache, state: PagedCache, a: 
 
 def indexer_select(device: Device, dtype, selected: int, scores: int, q: int, w: int, keys: PagedCache,
                    positions: int, req: int, *, rows: int, heads: int, head_dim: int, topk: int, n_max: int,
-                   ratio: int = 4, inv_freq: int | None = None, rope_dim: int = 0) -> LaunchSequence:
+                   ratio: int = 4, inv_freq: int | None = None, rope_dim: int = 0,
+                   fp4_keys: bool = False) -> LaunchSequence:
     """Indexer scores and top-k for `rows` queries (req[t] < 0: padding, its row of `selected` all -1).
 
     q: [rows, heads, head_dim] storage dtype, roped here at positions[t] (last rope_dim channels) when
@@ -84,24 +122,45 @@ def indexer_select(device: Device, dtype, selected: int, scores: int, q: int, w:
     selected: int32 [rows, topk], the min(topk, visible) best entries in ascending index order, ties
     toward the lower index, then -1. The bf16 build at head_dim 128 scores on the tensor cores (q rounded to
     bf16 after the rope); the others in exact float32.
+    fp4_keys (faithful numerics): keys holds packed entries (indexer_entry_bytes; 4-byte aligned for the
+    tensor-core kernel). A kernel of its own first ropes q (as above), rotates and rounds it in place to the
+    values of reference.quant.indexer_round (exact in bf16); the scores dequantise the keys exactly.
     """
     if not (0 < heads <= INDEX_HEADS and head_dim % 8 == 0 and 0 <= rope_dim <= head_dim and rope_dim % 2 == 0):
         raise ValueError(f"indexer: heads {heads} ≤ {INDEX_HEADS}, head_dim {head_dim} % 8 == 0, even rope_dim")
     if rows > MAX_GRID_Y:
         raise ValueError(f"indexer: {rows} query rows, at most {MAX_GRID_Y} per launch (grid y)")
+    mma = np.dtype(dtype) != np.float32 and head_dim == MMA_DIM
+    if fp4_keys and (keys.entry_bytes < indexer_entry_bytes(dtype, head_dim, True) or mma and keys.entry_bytes % 4):
+        raise ValueError(f"indexer: fp4 keys of head_dim {head_dim} need {indexer_entry_bytes(dtype, head_dim, True)} B"
+                         f"{' 4-byte aligned' if mma else ''}, the cache has {keys.entry_bytes}")
     if rows == 0:
         return LaunchSequence()
+    launches = []
+    name = storage_name(dtype)
+    if fp4_keys:
+        rotate = device.kernel("indexer", f"indexer_q_fp4<{name}>", _INDEXER)
+        rope = rope_dim if inv_freq else 0
+        launches.append(rotate.bind(rows, Q_THREADS, [
+            ctypes.c_void_p(q), ctypes.c_void_p(positions), ctypes.c_void_p(req), ctypes.c_void_p(inv_freq or 0),
+            ctypes.c_int(rope), ctypes.c_int(heads), ctypes.c_int(head_dim)],
+            shared=(rope + Q_THREADS // 32 * hadamard_size(head_dim)) * 4))   # rope table, a row per warp
+        inv_freq = None   # q is roped
     common = [*keys.args(), ctypes.c_void_p(positions), ctypes.c_void_p(req), ctypes.c_void_p(inv_freq or 0),
               ctypes.c_int(rope_dim if inv_freq else 0), ctypes.c_int(heads)]
     tiles = max(1, -(-n_max // KEY_TILE))
-    if np.dtype(dtype) != np.float32 and head_dim == MMA_DIM:
-        score = device.kernel("indexer", "indexer_scores_mma", _INDEXER)
-        shared = MMA_STAGES * KEY_TILE * (MMA_DIM + 8) * 2   # bf16 key tiles, rows padded by 16 bytes
+    if mma:
+        score = device.kernel("indexer", f"indexer_scores_mma<{'true' if fp4_keys else 'false'}>", _INDEXER)
+        tile = KEY_TILE * (MMA_DIM + 8) * 2   # a bf16 key tile, rows padded by 16 bytes
+        if fp4_keys:   # one, and the packed tiles in flight
+            shared = tile + MMA_FP4_STAGES * KEY_TILE * indexer_entry_bytes(dtype, MMA_DIM, True)
+        else:
+            shared = MMA_STAGES * tile
         splits = min(tiles, max(1, MMA_BLOCKS_PER_SM * device.sm_count // rows))
         score_args = [ctypes.c_void_p(scores), ctypes.c_void_p(q), ctypes.c_void_p(w), *common,
                       ctypes.c_int(n_max), ctypes.c_int(ratio)]
     else:
-        score = device.kernel("indexer", f"indexer_scores<{storage_name(dtype)}>", _INDEXER)
+        score = device.kernel("indexer", f"indexer_scores<{name}{',true' if fp4_keys else ''}>", _INDEXER)
         # q and key tiles as float32, rows padded by 4; the rope table
         shared = (INDEX_HEADS + KEY_TILE) * (head_dim + 4) * 4 + head_dim // 2 * 8
         splits = min(tiles, max(1, -(-WAVES * device.sm_count // rows)))
@@ -116,7 +175,7 @@ def indexer_select(device: Device, dtype, selected: int, scores: int, q: int, w:
     select_args = [ctypes.c_void_p(selected), ctypes.c_void_p(scores), ctypes.c_void_p(positions),
                    ctypes.c_void_p(req), ctypes.c_int(n_max), ctypes.c_int(topk), ctypes.c_int(ratio),
                    ctypes.c_int(candidates)]
-    return LaunchSequence(score.bind((splits, rows), SCORE_THREADS, score_args, shared=shared),
+    return LaunchSequence(*launches, score.bind((splits, rows), SCORE_THREADS, score_args, shared=shared),
                           select.bind((CLUSTER, rows), SELECT_THREADS, select_args, shared=select_shared))
 
 
