@@ -1,6 +1,7 @@
 // dsv4rt-instantiate: sparse_attention<float> sparse_attention<__nv_bfloat16>
 // dsv4rt-instantiate: attention_combine<float> attention_combine<__nv_bfloat16>
 // dsv4rt-instantiate: sparse_attention<__nv_bfloat16,true>
+#include "attention_keys.cuh"
 #include "kv_fp8.cuh"
 
 // K = V is one vector per key shared by every head (MQA), so a block serves one query token and
@@ -10,45 +11,6 @@ constexpr int kAttnWarps = 4, kHeadsPerWarp = 2, kBlockHeads = kAttnWarps * kHea
 // Keys per shared-memory tile: 16 KB at head_dim 512, two tiles in flight (cp.async double buffering).
 template <typename T> constexpr int kTileKeys = 16384 / (kMaxHeadDim * static_cast<int>(sizeof(T)));
 constexpr int kCombineWarps = 8;
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }  // NVRTC lacks INFINITY
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
-    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all_but_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
-
-// The candidate keys of one query row at position m of request r, in the order window, compressed:
-// window entries lo .. m, then compressed entries 0 .. visible-1 (selected == nullptr) or the row's
-// top_k indexer choices (entries < 0 or not yet visible are absent). Pages not held are absent too.
-struct Candidates {
-    const char* win_base;
-    const long long* win_pages;
-    int win_per_page, win_bytes;
-    const char* cmp_base;
-    const long long* cmp_pages;
-    int cmp_per_page, cmp_bytes;
-    const int* selected;
-    int lo, n_window, visible, count;
-
-    __device__ __forceinline__ const char* entry(int k) const {
-        const char* base = win_base;
-        const long long* pages = win_pages;
-        int per_page = win_per_page, bytes = win_bytes, e = lo + k;
-        if (k >= n_window) {
-            e = selected ? selected[k - n_window] : k - n_window;
-            if (e < 0 || e >= visible) return nullptr;
-            base = cmp_base, pages = cmp_pages, per_page = cmp_per_page, bytes = cmp_bytes;
-        }
-        const long long page = pages[e / per_page];
-        return page < 0 ? nullptr : base + page + static_cast<long long>(e % per_page) * bytes;
-    }
-};
 
 // One softmax over window + compressed keys + sink per (query token, head), K = V, then inverse RoPE.
 // grid (rows, ceil(heads / kBlockHeads), splits), block kAttnWarps * 32, dynamic shared memory
@@ -74,22 +36,11 @@ sparse_attention(T* out, float* part_o, float2* part_ml, const T* q, const int* 
     const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int r = req[t], m = positions[t];
 
-    Candidates cand{win_base, nullptr, win_per_page, win_bytes, cmp_base, nullptr, cmp_per_page, cmp_bytes,
-                    nullptr, 0, 0, 0, 0};
-    if (r >= 0) {
-        cand.win_pages = win_pages + win_start[r];
-        cand.lo = max(0, m - window + 1);
-        cand.n_window = m - cand.lo + 1;
-        if (ratio > 0) {
-            cand.cmp_pages = cmp_pages + cmp_start[r];
-            cand.visible = (m + 1) / ratio;
-            cand.selected = selected ? selected + static_cast<long long>(t) * top_k : nullptr;
-        }
-        cand.count = cand.n_window + (ratio <= 0 ? 0 : selected ? top_k : cand.visible);
-    }
-    const int share = ((cand.count + gridDim.z - 1) / gridDim.z + TILE - 1) / TILE * TILE;
-    const int k_begin = min(cand.count, static_cast<int>(blockIdx.z) * share);
-    const int k_end = min(cand.count, k_begin + share);
+    const Candidates cand = row_candidates(t, r, m, win_base, win_pages, win_start, win_per_page, win_bytes, cmp_base,
+                                           cmp_pages, cmp_start, cmp_per_page, cmp_bytes, selected, top_k, ratio,
+                                           window);
+    const int2 span = split_share(cand.count, TILE);
+    const int k_begin = span.x, k_end = span.y;
     const int n_tiles = (k_end - k_begin + TILE - 1) / TILE;
     const bool split = part_o != nullptr;
 

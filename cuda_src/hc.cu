@@ -1,8 +1,10 @@
 // dsv4rt-instantiate: hc_embed<float> hc_embed<__nv_bfloat16>
 // dsv4rt-instantiate: hc_pre<float,2> hc_pre<float,4> hc_pre<__nv_bfloat16,2> hc_pre<__nv_bfloat16,4>
-// dsv4rt-instantiate: hc_pre_split<float,2,1> hc_pre_split<float,4,1> hc_pre_split<float,2,4> hc_pre_split<float,4,4>
-// dsv4rt-instantiate: hc_pre_split<__nv_bfloat16,2,1> hc_pre_split<__nv_bfloat16,4,1>
-// dsv4rt-instantiate: hc_pre_split<__nv_bfloat16,2,4> hc_pre_split<__nv_bfloat16,4,4>
+// dsv4rt-instantiate: hc_pre_decode<float,2,1> hc_pre_decode<float,2,8> hc_pre_decode<float,2,16>
+// dsv4rt-instantiate: hc_pre_decode<float,4,1> hc_pre_decode<float,4,8> hc_pre_decode<float,4,16>
+// dsv4rt-instantiate: hc_pre_decode<__nv_bfloat16,2,1> hc_pre_decode<__nv_bfloat16,2,8>
+// dsv4rt-instantiate: hc_pre_decode<__nv_bfloat16,2,16> hc_pre_decode<__nv_bfloat16,4,1>
+// dsv4rt-instantiate: hc_pre_decode<__nv_bfloat16,4,8> hc_pre_decode<__nv_bfloat16,4,16>
 // dsv4rt-instantiate: hc_head<float,2> hc_head<float,4> hc_head<__nv_bfloat16,2> hc_head<__nv_bfloat16,4>
 // dsv4rt-instantiate: hc_post<float,2> hc_post<float,4> hc_post<__nv_bfloat16,2> hc_post<__nv_bfloat16,4>
 #include "common.cuh"
@@ -14,35 +16,8 @@
 constexpr int kHcThreads = 256;
 constexpr int kHcTok = 4;
 constexpr int kHcMaxTok = kHcTok * (kHcThreads / 32);
-constexpr int kHcSplit = 8;  // blocks of a cluster in hc_pre_split (the portable maximum)
 
 __device__ __forceinline__ float sigmoid(float x) { return 0.5f * (1.f + tanhf(0.5f * x)); }
-
-// Thread block clusters (sm_90) in PTX: cooperative_groups' cluster API needs CCCL headers NVRTC lacks here.
-__device__ __forceinline__ int cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return static_cast<int>(r);
-}
-
-// A barrier of every thread of the cluster that also orders their shared-memory writes before it, in two
-// halves so that a block may work between announcing its writes and waiting for everyone else's.
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_sync() {
-    cluster_arrive();
-    cluster_wait();
-}
-
-// The float at the address of `local` in the shared memory of the cluster's block `rank`.
-__device__ __forceinline__ float cluster_load(const float* local, int rank) {
-    const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(local));
-    unsigned remote;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-    return v;
-}
 
 template <int N>
 __device__ __forceinline__ void load_f32(const float* p, float (&w)[N]) {
@@ -74,20 +49,14 @@ __device__ __forceinline__ void project_chunk(const T* x, const float* fn, int k
 #pragma unroll
         for (int e = 0; e < N; ++e) ss[t] += xv[t][e] * xv[t][e];
     }
-    // fn rows loaded ahead of their use: all R for one token (decode, paced by the loads in flight), else one
-    // at a time (the registers hold NT tokens' accumulators).
-    constexpr int AHEAD = NT == 1 ? R : 1;
 #pragma unroll
-    for (int r0 = 0; r0 < R; r0 += AHEAD) {
-        float w[AHEAD][N];
+    for (int r = 0; r < R; ++r) {
+        float w[N];
+        load_f32(fn + static_cast<size_t>(r) * K + k, w);
 #pragma unroll
-        for (int r = 0; r < AHEAD; ++r) load_f32(fn + static_cast<size_t>(r0 + r) * K + k, w[r]);
+        for (int t = 0; t < NT; ++t)
 #pragma unroll
-        for (int r = 0; r < AHEAD; ++r)
-#pragma unroll
-            for (int t = 0; t < NT; ++t)
-#pragma unroll
-                for (int e = 0; e < N; ++e) acc[t][r0 + r] += xv[t][e] * w[r][e];
+            for (int e = 0; e < N; ++e) acc[t][r] += xv[t][e] * w[e];
     }
 }
 
@@ -204,17 +173,14 @@ __device__ __forceinline__ void project(const T* x, const float* fn, int t0, int
     __syncthreads();
 }
 
-// out[t] = Σ_j w[t][j] · X[t, j] for the block's tokens, in T storage: the part-th of `parts` equal runs
-// of the (token, column chunk) pairs.
+// out[t] = Σ_j w[t][j] · X[t, j] for the block's tokens, in T storage.
 template <typename T, int HC>
-__device__ __forceinline__ void combine(T* out, const T* x, const float (*w)[HC], int t0, int nb, int dim,
-                                        int part = 0, int parts = 1) {
+__device__ __forceinline__ void combine(T* out, const T* x, const float (*w)[HC], int t0, int nb, int dim) {
     constexpr int V = kVec<T>;
     const int tid = threadIdx.y * blockDim.x + threadIdx.x;
     const bool vec = dim % V == 0 && aligned16(out) && aligned16(x);
-    const int chunks = vec ? dim / V : dim, run = (nb * chunks + parts - 1) / parts;
-    const int end = min(nb * chunks, (part + 1) * run);
-    for (int i = part * run + tid; i < end; i += kHcThreads) {
+    const int chunks = vec ? dim / V : dim;
+    for (int i = tid; i < nb * chunks; i += kHcThreads) {
         const int tok = i / chunks, c = i - tok * chunks;
         const T* xt = x + static_cast<size_t>(t0 + tok) * HC * dim;
         T* ot = out + static_cast<size_t>(t0 + tok) * dim;
@@ -303,123 +269,406 @@ __global__ void __launch_bounds__(kHcThreads) hc_pre(T* u, float* post, float* c
     combine<T, HC>(u, x, pre, t0, nb, dim);
 }
 
-// The rows u [t0, t0 + nb) of dim values as combine() stored them, walked over the same run of (token, column
-// chunk) pairs (so each thread reads back only its own stores): the sums of squares per token into sq (pass 1),
-// then xn = u · inv_rms[tok] · w (pass 2, sq unused).
-template <typename T, int NT>
-__device__ __forceinline__ void norm_pass(bool second, T* xn, const T* u, const float* w, const float* inv_rms,
-                                          float (&sq)[NT], int t0, int nb, int dim, int part, int parts) {
-    constexpr int V = kVec<T>;
-    const bool vec = dim % V == 0 && aligned16(u) && aligned16(xn) && aligned16(w);
-    const int chunks = vec ? dim / V : dim, run = (nb * chunks + parts - 1) / parts;
-    const int end = min(nb * chunks, (part + 1) * run);
-    for (int i = part * run + threadIdx.x; i < end; i += kHcThreads) {
-        const int tok = i / chunks, c = i - tok * chunks;
-        const size_t at = static_cast<size_t>(t0 + tok) * dim + (vec ? c * V : c);
-        float a[V], g[V];
-        if (vec) load_vec(u + at, a);
-        else a[0] = to_float(u[at]);
-        if (!second) {
-            float s = vec ? 0.f : a[0] * a[0];
+// ---- Decode batches ----------------------------------------------------------------------------------------------
+// hc_pre_decode serves short batches, where a block per kHcTok tokens would read all of fn (1.5 MB at Flash sizes)
+// alone. Block (s, g) projects column slice s of the hc·D columns of token group g (NT tokens) onto every row of fn
+// and writes the partial sums to the workspace. The last `finishers` blocks to be done with their slice then finish
+// the tokens, one each in turn: v from the partials (added in slice order, so the results do not depend on which
+// blocks finish), post, the Sinkhorn comb, u and, when xn is given, xn = RMSNorm(u) · norm_w. counters[0] counts the
+// blocks done with their slice, counters[1] the finishers past the wait for all of them; both are zero before a
+// launch and the last finisher zeroes them again. Only finishers wait, and there are fewer of them than SMs, so a
+// block that has not started yet always finds an SM to run on (one block fits an SM).
+constexpr int kPreWarps = 9;  // a finisher combines on 8 warps, the 9th runs the Sinkhorn
+constexpr int kPreThreads = 32 * kPreWarps;
+constexpr int kPreCombiners = kPreThreads - 32;
+constexpr int kPreKeep = 2;   // chunks of u per combining thread kept in registers for the norm
+
+// Columns k.. of one token as floats: four (one 16-byte float or 8-byte bf16 load) or one.
+template <typename T, int W>
+__device__ __forceinline__ void load_cols(const T* p, float (&v)[W]) {
+    static_assert(W == 1 || W == 4, "four columns or one");
+    if constexpr (W == 1) {
+        v[0] = to_float(*p);
+    } else {
+        const Raw4<T> raw = *reinterpret_cast<const Raw4<T>*>(p);
+        const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-            for (int e = 0; e < V; ++e) s += vec ? a[e] * a[e] : 0.f;
+        for (int i = 0; i < 4; ++i) v[i] = to_float(e[i]);
+    }
+}
+
+// This lane's share of the columns [k0, k1) of the group's nb ≤ NT tokens (rows of K) against fn rows
+// warp + kPreWarps·i into acc[i·NT + t]; row R, one past fn's last, stands for the squares of x. W columns at a time.
+template <typename T, int R, int NT, int W, int N>
+__device__ __forceinline__ void project_slice(const T* x, const float* fn, int k0, int k1, int K, int nb,
+                                              float (&acc)[N]) {
+    constexpr int SLOTS = N / NT;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const bool last_row = warp < R % kPreWarps, squares = warp == R % kPreWarps;  // the last slot's role here
+#pragma unroll(W == 4 ? 2 : 1)
+    for (int k = k0 + W * lane; k < k1; k += 32 * W) {
+        float w[SLOTS][W] = {};
 #pragma unroll
-            for (int q = 0; q < NT; ++q) sq[q] += tok == q ? s : 0.f;
-            continue;
-        }
-        if (vec) {
-            load_vec(w + (at - static_cast<size_t>(t0 + tok) * dim), g);
+        for (int i = 0; i < SLOTS; ++i)
+            if (i < SLOTS - 1 || last_row) load_f32(fn + static_cast<size_t>(warp + kPreWarps * i) * K + k, w[i]);
 #pragma unroll
-            for (int e = 0; e < V; ++e) a[e] *= inv_rms[tok] * g[e];
-            store_vec(xn + at, a);
-        } else {
-            xn[at] = from_float<T>(a[0] * inv_rms[tok] * w[c]);
+        for (int t = 0; t < NT; ++t) {
+            if (t >= nb) break;
+            float xv[W];
+            load_cols<T, W>(x + static_cast<size_t>(t) * K + k, xv);
+#pragma unroll
+            for (int i = 0; i < SLOTS; ++i)
+                if (i < SLOTS - 1 || last_row || squares)
+#pragma unroll
+                    for (int e = 0; e < W; ++e)
+                        acc[i * NT + t] += (i == SLOTS - 1 && squares ? xv[e] : w[i][e]) * xv[e];
         }
     }
 }
 
-// hc_pre for short batches, where one block per kHcTok tokens would read all of fn alone: a cluster of
-// kHcSplit blocks (blockDim.x = kHcThreads) takes NT tokens, each block one slice of the hc·D reduction.
-// The blocks exchange their slice sums through distributed shared memory and add them in rank order, so
-// all hold the same v; rank 0 then writes post and comb (the serial Sinkhorn) while the others combine u.
-//
-// With xn given it also writes xn = RMSNorm(u) · norm_w (the block's attention or FFN norm), saving a launch:
-// the combining blocks add their runs' sums of squares through distributed shared memory in rank order.
-template <typename T, int HC, int NT>
-__global__ void __cluster_dims__(kHcSplit, 1, 1) __launch_bounds__(kHcThreads)
-    hc_pre_split(T* u, float* post, float* comb, const T* x, const float* fn, const float* base, const float* scale,
-                 int tokens, int dim, float eps, float hc_eps, int iters, T* xn, const float* norm_w, float norm_eps) {
-    constexpr int R = (2 + HC) * HC, V = kVec<T>;
-    __shared__ float partial[kHcThreads / 32][NT][R + 1];
-    __shared__ float slice[NT][R + 1];
-    __shared__ float v[NT][R + 1];
-    __shared__ float pre[NT][HC];
-    const int rank = cluster_rank();
-    const int t0 = blockIdx.y * NT, nb = min(NT, tokens - t0), K = HC * dim;
-    const bool vec = K % V == 0 && aligned16(x) && aligned16(fn);
-    const int width = vec ? (K / V + kHcSplit - 1) / kHcSplit * V : (K + kHcSplit - 1) / kHcSplit;
-    const int k_end = min(K, (rank + 1) * width);
-    const T* xt = x + static_cast<size_t>(t0) * K;
-    float acc[NT][R] = {}, ss[NT] = {};
-    if (vec) {
-        for (int k = rank * width + threadIdx.x * V; k < k_end; k += kHcThreads * V)
-            project_chunk<T, R, V>(xt, fn, k, K, nb, acc, ss);
-    } else {
-        for (int k = rank * width + threadIdx.x; k < k_end; k += kHcThreads)
-            project_chunk<T, R, 1>(xt, fn, k, K, nb, acc, ss);
-    }
-    store_warp_sums<NT, R>(partial[threadIdx.x >> 5], acc, ss);
-    __syncthreads();
-    for (int i = threadIdx.x; i < nb * (R + 1); i += kHcThreads) {
-        const int tok = i / (R + 1), r = i - tok * (R + 1);
-        float s = 0.f;
-        for (int w = 0; w < kHcThreads / 32; ++w) s += partial[w][tok][r];
-        slice[tok][r] = s;
-    }
-    cluster_sync();
-    for (int i = threadIdx.x; i < nb * (R + 1); i += kHcThreads) {
-        const int tok = i / (R + 1), r = i - tok * (R + 1);
-        float s = 0.f;
-        for (int q = 0; q < kHcSplit; ++q) s += cluster_load(&slice[tok][r], q);
-        v[tok][r] = s;
-    }
-    // No block may leave (its slice going with it) before every block has read it.
-    cluster_sync();
-    for (int i = threadIdx.x; i < nb * R; i += kHcThreads) {
-        const int tok = i / R, r = i - tok * R;
-        v[tok][r] *= rsqrtf(v[tok][R] / K + eps);
-    }
-    __syncthreads();
-    // Rank 0 adds nothing to the norm's sums: it arrives at once, so its serial Sinkhorn holds nobody up.
-    if (xn != nullptr && rank == 0) cluster_arrive();
-    mix<HC, R>(v, pre, post, comb, base, scale, t0, nb, hc_eps, iters, rank == 0);
-    if (rank > 0) combine<T, HC>(u, x, pre, t0, nb, dim, rank - 1, kHcSplit - 1);
-    if (xn == nullptr) return;
-    float sq[NT] = {};
-    if (rank > 0) norm_pass<T, NT>(false, xn, u, norm_w, nullptr, sq, t0, nb, dim, rank - 1, kHcSplit - 1);
-    __shared__ float warp_sq[kHcThreads / 32][NT];
-    __shared__ float block_sq[NT];
-    __shared__ float inv_rms[NT];
+// How many of N values a lane holds after warp_fold.
+__host__ __device__ constexpr int fold_count(int n) {
+    for (int o = 16; o > 0; o >>= 1)
+        if (n % 2 == 0) n /= 2;
+    return n;
+}
+
+// The warp's totals of each lane's N values in about N shuffles rather than 5N: while N is even each step hands half
+// of the values to the partner lane and keeps the other half. Afterwards the lane's a[p] (p < fold_count(N)) is the
+// total of value fold_index(N) + p; lanes that differ only in bits where N was odd hold the same totals.
+template <int N, int M, int O = 16>
+__device__ __forceinline__ void warp_fold(float (&a)[M]) {
+    if constexpr (O > 0) {
+        const bool upper = threadIdx.x & O;
+        if constexpr (N % 2 == 0) {
 #pragma unroll
-    for (int q = 0; q < NT; ++q) {
-        const float s = warp_sum(sq[q]);
-        if ((threadIdx.x & 31) == 0) warp_sq[threadIdx.x >> 5][q] = s;
+            for (int i = 0; i < N / 2; ++i) {
+                const float give = upper ? a[i] : a[i + N / 2], keep = upper ? a[i + N / 2] : a[i];
+                a[i] = keep + __shfl_xor_sync(0xffffffffu, give, O);
+            }
+            warp_fold<N / 2, M, O / 2>(a);
+        } else {
+#pragma unroll
+            for (int i = 0; i < N; ++i) a[i] += __shfl_xor_sync(0xffffffffu, a[i], O);
+            warp_fold<N, M, O / 2>(a);
+        }
+    }
+}
+
+// The index of the first value whose total this lane holds after warp_fold<N>, or -1 where a lower lane holds the same.
+template <int N>
+__device__ __forceinline__ int fold_index() {
+    int n = N, first = 0;
+    for (int o = 16; o > 0; o >>= 1) {
+        if (n % 2 == 0) {
+            if (threadIdx.x & o) first += n / 2;
+            n /= 2;
+        } else if (threadIdx.x & o) {
+            return -1;
+        }
+    }
+    return first;
+}
+
+// 1/d to within one ulp in one MUFU op, where the rounded reciprocal or a division adds dependent ops to each of the
+// Sinkhorn's 2·iters steps. The error of a step rescales a whole row or column, which later steps take out again
+// (numpy model of the worst case, a one-ulp bias in every step: comb within 1e-6 of the divisions).
+__device__ __forceinline__ float fast_rcp(float d) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+    return r;
+}
+
+template <int HC>
+__device__ __forceinline__ void normalise_rows(float (&c)[HC][HC], float hc_eps) {
+#pragma unroll
+    for (int j = 0; j < HC; ++j) {
+        float s = c[j][0];
+#pragma unroll
+        for (int k = 1; k < HC; ++k) s += c[j][k];
+        const float r = fast_rcp(s + hc_eps);
+#pragma unroll
+        for (int k = 0; k < HC; ++k) c[j][k] *= r;
+    }
+}
+
+template <int HC>
+__device__ __forceinline__ void normalise_cols(float (&c)[HC][HC], float hc_eps) {
+#pragma unroll
+    for (int k = 0; k < HC; ++k) {
+        float s = c[0][k];
+#pragma unroll
+        for (int j = 1; j < HC; ++j) s += c[j][k];
+        const float r = fast_rcp(s + hc_eps);
+#pragma unroll
+        for (int j = 0; j < HC; ++j) c[j][k] *= r;
+    }
+}
+
+// The Sinkhorn of one token in one thread: its 2·iters dependent normalisations need no shuffles. Sums run in index
+// order like numpy's on these short axes.
+template <int HC>
+__device__ __forceinline__ void sinkhorn_thread(float (&c)[HC][HC], float hc_eps, int iters) {
+#pragma unroll
+    for (int j = 0; j < HC; ++j) {
+        float m = c[j][0];
+#pragma unroll
+        for (int k = 1; k < HC; ++k) m = fmaxf(m, c[j][k]);
+        float s = 0.f;
+#pragma unroll
+        for (int k = 0; k < HC; ++k) c[j][k] = expf(c[j][k] - m), s += c[j][k];
+        const float r = fast_rcp(s);
+#pragma unroll
+        for (int k = 0; k < HC; ++k) c[j][k] = c[j][k] * r + hc_eps;
+    }
+    normalise_cols(c, hc_eps);
+    for (int it = 1; it < iters; ++it) {
+        normalise_rows(c, hc_eps);
+        normalise_cols(c, hc_eps);
+    }
+}
+
+// W consecutive columns of u, xn or x: a 16-byte chunk (W = kVec<T>) or one element, as it sits in memory.
+template <typename T, int W> struct ChunkOf { using type = uint4; };
+template <typename T> struct ChunkOf<T, 1> { using type = T; };
+
+template <typename T, int W>
+__device__ __forceinline__ void unpack(const typename ChunkOf<T, W>::type& raw, float (&v)[W]) {
+    if constexpr (W == 1) {
+        v[0] = to_float(raw);
+    } else {
+        const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int i = 0; i < W; ++i) v[i] = to_float(e[i]);
+    }
+}
+
+// Stores v as T and leaves in it the stored (rounded) values.
+template <typename T, int W>
+__device__ __forceinline__ void store_rounded(T* p, float (&v)[W]) {
+    typename ChunkOf<T, W>::type raw;
+    T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < W; ++i) e[i] = from_float<T>(v[i]), v[i] = to_float(e[i]);
+    *reinterpret_cast<typename ChunkOf<T, W>::type*>(p) = raw;
+}
+
+__device__ __forceinline__ void combiners_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kPreCombiners) : "memory"); }
+
+// This combining thread's first kPreKeep chunks of W columns (chunk c goes to thread c mod kPreCombiners): those of
+// every stream of token row xt into xr and, with norm_w, their weights into wr.
+template <typename T, int HC, int W>
+__device__ __forceinline__ void load_kept(typename ChunkOf<T, W>::type (&xr)[kPreKeep][HC], float (&wr)[kPreKeep][W],
+                                          const T* xt, const float* norm_w, int dim) {
+    using Chunk = typename ChunkOf<T, W>::type;
+#pragma unroll
+    for (int i = 0; i < kPreKeep; ++i) {
+        const int c = threadIdx.x + kPreCombiners * i;
+        if (c >= dim / W) break;
+#pragma unroll
+        for (int j = 0; j < HC; ++j) xr[i][j] = *reinterpret_cast<const Chunk*>(xt + j * dim + c * W);
+        if (norm_w != nullptr) load_f32(norm_w + c * W, wr[i]);
+    }
+}
+
+// u[t] = Σ_j pre_j X[t, j] and, with xn, xn[t] = RMSNorm(u[t]) · norm_w, on the combining warps. The chunks load_kept
+// loaded stay in registers for the norm; chunks past them (long rows) are read again from u.
+template <typename T, int HC, int W>
+__device__ __forceinline__ void combine_norm(T* u, T* xn, const T* xt, const float* norm_w, const float (&pre)[HC],
+                                             const typename ChunkOf<T, W>::type (&xr)[kPreKeep][HC],
+                                             const float (&wr)[kPreKeep][W], int dim, float norm_eps) {
+    using Chunk = typename ChunkOf<T, W>::type;
+    __shared__ float warp_sq[kPreCombiners / 32];
+    const int tid = threadIdx.x, chunks = dim / W;
+    float ur[kPreKeep][W], ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < kPreKeep; ++i) {
+        const int c = tid + kPreCombiners * i;
+        if (c >= chunks) break;
+#pragma unroll
+        for (int e = 0; e < W; ++e) ur[i][e] = 0.f;
+#pragma unroll
+        for (int j = 0; j < HC; ++j) {
+            float xj[W];
+            unpack<T, W>(xr[i][j], xj);
+#pragma unroll
+            for (int e = 0; e < W; ++e) ur[i][e] += pre[j] * xj[e];
+        }
+        store_rounded<T, W>(u + c * W, ur[i]);
+#pragma unroll
+        for (int e = 0; e < W; ++e) ss += ur[i][e] * ur[i][e];
+    }
+    for (int c = tid + kPreCombiners * kPreKeep; c < chunks; c += kPreCombiners) {
+        float a[W] = {};
+#pragma unroll
+        for (int j = 0; j < HC; ++j) {
+            float xj[W];
+            unpack<T, W>(*reinterpret_cast<const Chunk*>(xt + j * dim + c * W), xj);
+#pragma unroll
+            for (int e = 0; e < W; ++e) a[e] += pre[j] * xj[e];
+        }
+        store_rounded<T, W>(u + c * W, a);
+#pragma unroll
+        for (int e = 0; e < W; ++e) ss += a[e] * a[e];
+    }
+    if (xn == nullptr) return;
+    ss = warp_sum(ss);
+    if ((tid & 31) == 0) warp_sq[tid >> 5] = ss;
+    combiners_sync();
+    ss = 0.f;
+#pragma unroll
+    for (int w = 0; w < kPreCombiners / 32; ++w) ss += warp_sq[w];
+    const float inv_rms = rsqrtf(ss / dim + norm_eps);
+#pragma unroll
+    for (int i = 0; i < kPreKeep; ++i) {
+        const int c = tid + kPreCombiners * i;
+        if (c >= chunks) break;
+#pragma unroll
+        for (int e = 0; e < W; ++e) ur[i][e] = ur[i][e] * inv_rms * wr[i][e];
+        store_rounded<T, W>(xn + c * W, ur[i]);
+    }
+    for (int c = tid + kPreCombiners * kPreKeep; c < chunks; c += kPreCombiners) {
+        float a[W], g[W];
+        unpack<T, W>(*reinterpret_cast<const Chunk*>(u + c * W), a);  // this thread's own store above
+        load_f32(norm_w + c * W, g);
+#pragma unroll
+        for (int e = 0; e < W; ++e) a[e] = a[e] * inv_rms * g[e];
+        store_rounded<T, W>(xn + c * W, a);
+    }
+}
+
+// A finisher's part of hc_pre_decode: tokens role, role + finishers, ... of the batch. params holds base then scale.
+// Rows of 16-byte chunks (vec) have theirs loaded while the finisher waits; other rows go element by element.
+template <typename T, int HC>
+__device__ __forceinline__ void finish(int role, int finishers, bool last, int blocks, bool vec, T* u, float* post,
+                                       float* comb, const T* x, const float* params, int tokens, int dim, float eps,
+                                       float hc_eps, int iters, T* xn, const float* norm_w, float norm_eps,
+                                       unsigned* counters, const float* partial, int slices) {
+    constexpr int R = (2 + HC) * HC, V = kVec<T>, BATCH = 16;  // BATCH: partial loads in flight per lane
+    __shared__ float part[kPreWarps][32];
+    __shared__ float v[R];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, K = HC * dim;
+    const bool combines = warp < kPreWarps - 1;
+    const float* norm_wr = xn != nullptr ? norm_w : nullptr;
+    unsigned left = 0;
+    for (int t = role; t < tokens; t += finishers) {
+        const T* xt = x + static_cast<size_t>(t) * K;
+        uint4 xr[kPreKeep][HC];
+        float wr[kPreKeep][V];
+        if (vec && combines) load_kept<T, HC, V>(xr, wr, xt, norm_wr, dim);
+        if (t == role) {
+            if (tid == 0) {
+                if (!last)
+                    while (*reinterpret_cast<volatile unsigned*>(counters) < static_cast<unsigned>(blocks)) {}
+                __threadfence();
+                left = atomicAdd(counters + 1, 1u);
+            }
+            __syncthreads();
+        }
+        // v: warp w adds the partials of slices w, w + kPreWarps, ... in order, then the warps' sums add in order.
+        float sum = 0.f;
+        if (lane <= R) {
+            const float* pt = partial + static_cast<size_t>(t) * slices * (R + 1) + lane;
+            for (int q0 = warp; q0 < slices; q0 += kPreWarps * BATCH) {
+                float got[BATCH];
+#pragma unroll
+                for (int b = 0; b < BATCH; ++b) {
+                    const int q = q0 + kPreWarps * b;
+                    got[b] = q < slices ? __ldcg(pt + static_cast<size_t>(q) * (R + 1)) : 0.f;
+                }
+#pragma unroll
+                for (int b = 0; b < BATCH; ++b) sum += got[b];
+            }
+        }
+        part[warp][lane] = sum;
+        __syncthreads();
+        if (tid < R) {
+            float a = 0.f, ss = 0.f;
+#pragma unroll
+            for (int w = 0; w < kPreWarps; ++w) a += part[w][tid], ss += part[w][R];
+            v[tid] = a * rsqrtf(ss / K + eps);
+        }
+        __syncthreads();
+        if (!combines) {
+            if (lane < HC) {
+                const float p = params[R + 1] * v[HC + lane] + params[HC + lane];
+                post[static_cast<size_t>(t) * HC + lane] = 2.f * sigmoid(p);
+            }
+            if (lane == 0) {
+                float c[HC][HC];
+#pragma unroll
+                for (int i = 0; i < HC * HC; ++i)
+                    c[i / HC][i % HC] = params[R + 2] * v[2 * HC + i] + params[2 * HC + i];
+                sinkhorn_thread<HC>(c, hc_eps, iters);
+#pragma unroll
+                for (int i = 0; i < HC * HC; ++i) comb[static_cast<size_t>(t) * HC * HC + i] = c[i / HC][i % HC];
+            }
+        } else {
+            float pre[HC];
+#pragma unroll
+            for (int j = 0; j < HC; ++j) pre[j] = sigmoid(params[R] * v[j] + params[j]) + hc_eps;
+            T* ut = u + static_cast<size_t>(t) * dim;
+            T* xnt = xn != nullptr ? xn + static_cast<size_t>(t) * dim : nullptr;
+            if (vec) {
+                combine_norm<T, HC, V>(ut, xnt, xt, norm_w, pre, xr, wr, dim, norm_eps);
+            } else {
+                T xs[kPreKeep][HC];
+                float ws[kPreKeep][1];
+                load_kept<T, HC, 1>(xs, ws, xt, norm_wr, dim);
+                combine_norm<T, HC, 1>(ut, xnt, xt, norm_w, pre, xs, ws, dim, norm_eps);
+            }
+        }
+        __syncthreads();  // part, v and the norm's sums are reused for the next token
+    }
+    if (tid == 0 && left == static_cast<unsigned>(finishers - 1)) counters[0] = counters[1] = 0;
+}
+
+template <typename T, int HC, int NT>
+__global__ void __launch_bounds__(kPreThreads, 1)
+    hc_pre_decode(T* u, float* post, float* comb, const T* x, const float* fn, const float* base, const float* scale,
+                  int tokens, int dim, float eps, float hc_eps, int iters, T* xn, const float* norm_w, float norm_eps,
+                  unsigned* counters, float* partial, int cols, int finishers) {
+    constexpr int R = (2 + HC) * HC, N = (R + kPreWarps) / kPreWarps * NT;
+    static_assert(R + 3 <= 32, "one warp loads base and scale");
+    __shared__ float params[R + 3];  // base, then scale
+    __shared__ int ticket;
+    const int K = HC * dim, s = blockIdx.x, slices = gridDim.x, blocks = slices * gridDim.y;
+    const int t0 = blockIdx.y * NT, nb = min(NT, tokens - t0), k0 = s * cols, k1 = min(K, k0 + cols);
+    // Loaded now, for whichever blocks finish, and stored to shared memory once they have arrived.
+    const float param = threadIdx.x < R ? base[threadIdx.x] : threadIdx.x < R + 3 ? scale[threadIdx.x - R] : 0.f;
+    if (xn != nullptr && s == 0 && blockIdx.y == 0)  // norm_w into L2 for them too
+        for (int l = threadIdx.x; l < (dim + 31) / 32; l += kPreThreads)
+            asm volatile("prefetch.L2 [%0];" ::"l"(norm_w + 32 * l));
+    float acc[N] = {};
+    const T* xg = x + static_cast<size_t>(t0) * K;
+    if (K % 4 == 0 && aligned16(fn) && (reinterpret_cast<unsigned long long>(x) & (4 * sizeof(T) - 1)) == 0)
+        project_slice<T, R, NT, 4>(xg, fn, k0, k1, K, nb, acc);
+    else
+        project_slice<T, R, NT, 1>(xg, fn, k0, k1, K, nb, acc);
+    // partial [T][slices][R + 1]: each token's sums over each slice, fn's rows then the squares.
+    warp_fold<N>(acc);
+    const int first = fold_index<N>();
+    if (first >= 0) {
+#pragma unroll
+        for (int p = 0; p < fold_count(N); ++p) {
+            const int i = (first + p) / NT, t = (first + p) % NT, r = (threadIdx.x >> 5) + kPreWarps * i;
+            if (t < nb && r <= R) partial[(static_cast<size_t>(t0 + t) * slices + s) * (R + 1) + r] = acc[p];
+        }
+    }
+    if (threadIdx.x < R + 3) params[threadIdx.x] = param;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();  // this block's partials before its count
+        ticket = atomicAdd(counters, 1u);
     }
     __syncthreads();
-    if (threadIdx.x < NT) {
-        float s = 0.f;
-        for (int w = 0; w < kHcThreads / 32; ++w) s += warp_sq[w][threadIdx.x];
-        block_sq[threadIdx.x] = s;
-    }
-    if (rank > 0) cluster_arrive();
-    cluster_wait();
-    if (threadIdx.x < NT) {
-        float s = 0.f;
-        for (int q = 1; q < kHcSplit; ++q) s += cluster_load(&block_sq[threadIdx.x], q);
-        inv_rms[threadIdx.x] = rsqrtf(s / dim + norm_eps);
-    }
-    cluster_sync();  // every block_sq read before any block leaves; inv_rms visible to the block
-    if (rank > 0) norm_pass<T, NT>(true, xn, u, norm_w, inv_rms, sq, t0, nb, dim, rank - 1, kHcSplit - 1);
+    if (ticket < blocks - finishers) return;
+    const int role = ticket - (blocks - finishers);
+    const bool last = ticket == blocks - 1;
+    const bool vec = dim % kVec<T> == 0 && aligned16(x) && aligned16(u) &&
+                     (xn == nullptr || (aligned16(xn) && aligned16(norm_w)));
+    finish<T, HC>(role, finishers, last, blocks, vec, u, post, comb, x, params, tokens, dim, eps, hc_eps, iters, xn,
+                  norm_w, norm_eps, counters, partial, slices);
 }
 
 // Final head: y [T, D] = Σ_j (sigmoid(scale·v_j + base_j) + hc_eps) X_j.

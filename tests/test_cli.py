@@ -50,14 +50,14 @@ def logits_of(tmp_path, ids: np.ndarray, *flags) -> np.ndarray:
 def test_logits_full_and_chunked_match_golden(tmp_path):
     g = np.load(TINY_A / "golden.npz")
     assert rel_rows(logits_of(tmp_path, g["input_ids"], "--device", "cpu"), g["logits_full"]).max() < 1e-5
-    out = logits_of(tmp_path, g["input_ids"], "--chunks", ",".join(map(str, g["chunks"])))
+    out = logits_of(tmp_path, g["input_ids"], "--device", "cpu", "--chunks", ",".join(map(str, g["chunks"])))
     assert out.dtype == np.float32 and out.shape == g["logits_chunked"].shape
     assert rel_rows(out, g["logits_chunked"]).max() < 1e-5
 
 
 def test_logits_faithful(tmp_path):
     f = np.load(TINY_A / "faithful_fp32.npz")
-    assert rel_rows(logits_of(tmp_path, f["input_ids"], "--numerics", "faithful"), f["logits_full"]).max() < 1e-4
+    assert rel_rows(logits_of(tmp_path, f["input_ids"], "--numerics", "faithful", "--device", "cpu"), f["logits_full"]).max() < 1e-4
 
 
 @pytest.mark.gpu
@@ -236,3 +236,34 @@ def test_flash_slice_preset_has_flash_sizes():
     assert c.ratios == (0, 4, 128, 4, 128, 4, 128, 4) and (c.n_experts, c.n_active, c.moe_inter) == (32, 6, 2048)
     params = sum(int(np.prod(s)) for s in expected_shapes(c).values())
     assert 8.5e9 < params < 8.8e9  # 17 GB of bf16
+
+
+def test_faithful_numerics_may_ask_for_the_gpu(tmp_path):
+    """--numerics faithful has a GPU path: without a GPU the refusal names the device, not the numerics."""
+    from dsv4rt.cuda.driver import gpu_visible
+    if gpu_visible():
+        pytest.skip("a GPU is visible")
+    np.save(tmp_path / "ids.npy", np.array([1, 2, 3]))
+    r = dsv4rt("logits", TINY_A, "--ids", tmp_path / "ids.npy", "--out", tmp_path / "o.npy", "--device", "cuda",
+               "--numerics", "faithful")
+    assert_one_line_error(r, "--device cuda: no NVIDIA GPU visible")
+
+
+def test_flash_slice_in_the_released_format_fits_the_faithful_kernels():
+    """`make-tiny --preset flash-slice --format official` (not written here: 8.7 billion draws) stores the attention
+    GEMMs and the shared expert in fp8 at multiples of 128 (the prefill fp8 GEMM's tiles), the routed experts in
+    fp4 at multiples of 32, defaults to faithful numerics and plans 584-byte main and 68-byte indexer entries."""
+    from dsv4rt.config import from_dict
+    from dsv4rt.kv.plan import build_plan
+    from dsv4rt.loader import expected_shapes
+    from dsv4rt.reference import default_numerics
+    from dsv4rt.tiny import _FP4, _FP8, PRESETS, QUANTIZATION_CONFIG
+    cfg = from_dict(dict(PRESETS["flash-slice"], quantization_config=QUANTIZATION_CONFIG, expert_dtype="fp4"))
+    shapes = expected_shapes(cfg)
+    fp8 = [s for n, s in shapes.items() if _FP8.search(n)]
+    fp4 = [s for n, s in shapes.items() if _FP4.search(n)]
+    assert len(fp8) == 8 * 4 + 4 * 1 + 8 * 3 and len(fp4) == 8 * 32 * 3   # 4 c4a layers have an indexer
+    assert all(n % 128 == 0 and k % 128 == 0 for n, k in fp8) and all(k % 32 == 0 for _, k in fp4)
+    assert default_numerics(cfg) == "faithful"
+    kinds = {k.name: k.entry_bytes for k in build_plan(cfg).kinds}
+    assert (kinds["window"], kinds["indexer"]) == (584, 68)

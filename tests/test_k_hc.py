@@ -10,11 +10,14 @@ pytestmark = pytest.mark.gpu
 BF16 = ml_dtypes.bfloat16
 EPS, HC_EPS, ITERS = 1e-6, 1e-6, 20
 # (tokens, hc, dim): Flash, tiny-a, odd dims (100: bf16 rows not 16-byte multiples; 101: scalar everywhere),
-# decode batches (hc_pre's cluster-split kernel: one token a cluster up to 16 tokens, then 4), and batches
-# long enough (4224 tokens and more on a 132-SM H200) for the shared-memory fn tiles of hc_pre/head.
+# decode batches (hc_pre_decode: one token, groups of 8, then 16) and batches long enough (4224 tokens and more on a
+# 132-SM H200) for the shared-memory fn tiles of hc_pre/head.
 SHAPES = [(1, 4, 4096), (7, 4, 4096), (300, 4, 4096), (1, 2, 64), (7, 2, 64), (300, 2, 64), (7, 4, 100),
           (300, 2, 100), (7, 2, 101), (1, 4, 101), (8, 4, 4096), (64, 4, 4096), (64, 2, 101), (33, 4, 100),
           (1100, 4, 4096), (3000, 2, 64), (8192, 2, 64), (4500, 4, 100), (4500, 2, 101)]
+# More decode batch sizes either side of hc_pre_decode's token groups, at Flash sizes and odd dims.
+DECODE_SHAPES = [(2, 4, 4096), (16, 4, 4096), (17, 4, 4096), (100, 4, 4096), (2, 2, 101), (8, 2, 101),
+                 (16, 4, 100), (17, 2, 101), (100, 4, 100), (1, 2, 101)]
 DTYPES = [np.float32, BF16]
 
 
@@ -42,6 +45,11 @@ def out_tol(dtype) -> float:
     return 1e-5 if dtype == np.float32 else 1e-2  # bf16: one rounding of the stored output
 
 
+def workspace(dev, tokens, hc, dim):
+    from dsv4rt.model import hc as k
+    return dev(np.zeros(k.pre_workspace_bytes(tokens, hc, dim), np.uint8))
+
+
 def run_pre(rt, dev, dtype, tokens, hc, dim, iters, seed):
     from dsv4rt.model import hc as k
     rng = np.random.default_rng(seed)
@@ -51,7 +59,7 @@ def run_pre(rt, dev, dtype, tokens, hc, dim, iters, seed):
         dev(poison((tokens, hc, hc), np.float32))
     dx = dev(x)
     launch = k.pre(rt.device, dtype, du.ptr, dpost.ptr, dcomb.ptr, dx.ptr, dev(fn).ptr, dev(base).ptr,
-                   dev(scale).ptr, tokens, hc, dim, EPS, HC_EPS, iters)
+                   dev(scale).ptr, tokens, hc, dim, EPS, HC_EPS, iters, workspace=workspace(dev, tokens, hc, dim).ptr)
     launch(rt.stream)
     got = (fetch(rt, du, np.empty((tokens, dim), dtype)), fetch(rt, dpost, np.empty((tokens, hc), np.float32)),
            fetch(rt, dcomb, np.empty((tokens, hc, hc), np.float32)))
@@ -67,17 +75,17 @@ def check_pre(got, ref, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens, hc, dim", SHAPES)
+@pytest.mark.parametrize("tokens, hc, dim", SHAPES + DECODE_SHAPES)
 def test_pre_matches_reference(rt, dev, dtype, tokens, hc, dim):
     got, ref, _ = run_pre(rt, dev, dtype, tokens, hc, dim, ITERS, tokens * 31 + hc * dim)
     check_pre(got, ref, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens, hc, dim", [(1, 4, 4096), (8, 4, 4096), (64, 4, 4096), (7, 2, 101), (33, 4, 100),
-                                             (600, 4, 4096)])
+@pytest.mark.parametrize("tokens, hc, dim", [(1, 4, 4096), (8, 4, 4096), (17, 4, 4096), (64, 4, 4096), (7, 2, 101),
+                                             (33, 4, 100), (100, 2, 101), (600, 4, 4096)])
 def test_pre_with_norm_writes_the_normed_input(rt, dev, dtype, tokens, hc, dim):
-    """xn = RMSNorm(u)·w: inside the split kernel for decode batches, a second launch past them (600 tokens)."""
+    """xn = RMSNorm(u)·w: inside the decode kernel for decode batches, a second launch past them (600 tokens)."""
     from dsv4rt.model import hc as k
     from dsv4rt.reference.ops import rmsnorm
     rng = np.random.default_rng(tokens + dim)
@@ -87,20 +95,63 @@ def test_pre_with_norm_writes_the_normed_input(rt, dev, dtype, tokens, hc, dim):
     du, dxn = dev(poison((tokens, dim), dtype)), dev(poison((tokens, dim), dtype))
     outs = [dev(poison((tokens, hc), np.float32)), dev(poison((tokens, hc, hc), np.float32))]
     k.pre(rt.device, dtype, du.ptr, outs[0].ptr, outs[1].ptr, dev(x).ptr, dev(fn).ptr, dev(base).ptr, dev(scale).ptr,
-          tokens, hc, dim, EPS, HC_EPS, ITERS, xn=dxn.ptr, norm=dev(w).ptr, norm_eps=EPS)(rt.stream)
+          tokens, hc, dim, EPS, HC_EPS, ITERS, xn=dxn.ptr, norm=dev(w).ptr, norm_eps=EPS,
+          workspace=workspace(dev, tokens, hc, dim).ptr)(rt.stream)
     u = fetch(rt, du, np.empty((tokens, dim), dtype))
     ref_u = HyperConnection(fn, base, scale, ITERS, HC_EPS, EPS).pre(x.astype(np.float32))[0]
     assert rel_rows(u, ref_u).max() < out_tol(dtype)
     assert rel_rows(fetch(rt, dxn, u.astype(dtype)), rmsnorm(u, w, EPS)).max() < out_tol(dtype)
 
 
-def test_pre_decode_batches_take_the_split_kernel(rt):
+def test_pre_decode_batches_take_the_decode_kernel(rt):
     from dsv4rt.model import hc as k
-    cases = [(1, "hc_pre_split<__nv_bfloat16,4,1>"), (8, "hc_pre_split<__nv_bfloat16,4,1>"),
-             (64, "hc_pre_split<__nv_bfloat16,4,4>"), (4 * rt.device.sm_count + 1, "hc_pre<__nv_bfloat16,4>")]
-    for tokens, name in cases:
-        launch = k.pre(rt.device, BF16, 0, 0, 0, 0, 0, 0, 0, tokens, 4, 4096, EPS, HC_EPS, ITERS)
+    cases = [(1, "hc_pre_decode<__nv_bfloat16,4,1>", (128, 1)), (8, "hc_pre_decode<__nv_bfloat16,4,8>", (128, 1)),
+             (16, "hc_pre_decode<__nv_bfloat16,4,16>", (128, 1)), (64, "hc_pre_decode<__nv_bfloat16,4,16>", (32, 4)),
+             (4 * rt.device.sm_count + 1, "hc_pre<__nv_bfloat16,4>", None)]
+    for tokens, name, grid in cases:
+        launch = k.pre(rt.device, BF16, 0, 0, 0, 0, 0, 0, 0, tokens, 4, 4096, EPS, HC_EPS, ITERS, workspace=1 << 20)
         assert launch.kernel.name == name, (tokens, launch.kernel.name)
+        assert grid is None or launch.grid[:2] == grid, (tokens, launch.grid)
+    with pytest.raises(ValueError, match="workspace"):
+        k.pre(rt.device, BF16, 0, 0, 0, 0, 0, 0, 0, 1, 4, 4096, EPS, HC_EPS, ITERS)
+
+
+def test_pre_decode_is_deterministic_replays_and_leaves_its_counters_at_zero(rt, dev):
+    """Decode launches of different sizes share one workspace in turn: each is right, repeats bit for bit, eagerly and
+    from a CUDA graph, and leaves the workspace's counters at zero for the next."""
+    from dsv4rt.cuda.device import Graph
+    from dsv4rt.model import hc as k
+    hc, dim, most = 4, 4096, 100
+    rng = np.random.default_rng(5)
+    x = streams(rng, most, hc, dim, BF16)
+    fn, base, scale = mixing(rng, (2 + hc) * hc, hc, dim, 3)
+    ref_u = HyperConnection(fn, base, scale, ITERS, HC_EPS, EPS).pre(x.astype(np.float32))[0]
+    dx, params, w = dev(x), [dev(fn), dev(base), dev(scale)], dev(np.ones(dim, np.float32))
+    ws = workspace(dev, most, hc, dim)
+    outs = [dev(poison(shape, dtype)) for shape, dtype in
+            [((most, dim), BF16), ((most, hc), np.float32), ((most, hc, hc), np.float32), ((most, dim), BF16)]]
+
+    def run(launch_or_graph):
+        for o in outs:
+            o.copy_from_host(np.full(o.nbytes, 0xff, np.uint8))
+        launch_or_graph()
+        rt.stream.synchronize()
+        assert not ws.copy_to_host(np.empty(8, np.uint8)).any()  # the counters
+        return [o.copy_to_host(np.empty(o.nbytes, np.uint8)) for o in outs]
+
+    for tokens in (64, 1, 17, 8, 100, 1):
+        launch = k.pre(rt.device, BF16, outs[0].ptr, outs[1].ptr, outs[2].ptr, dx.ptr, *[p.ptr for p in params],
+                       tokens, hc, dim, EPS, HC_EPS, ITERS, xn=outs[3].ptr, norm=w.ptr, norm_eps=EPS, workspace=ws.ptr)
+        first = run(lambda: launch(rt.stream))
+        u = first[0].view(BF16).reshape(most, dim)[:tokens].astype(np.float32)
+        assert rel_rows(u, ref_u[:tokens]).max() < out_tol(BF16), tokens
+        assert all(np.array_equal(a, b) for a, b in zip(run(lambda: launch(rt.stream)), first)), tokens
+        graph = Graph(rt.stream)
+        with graph:
+            launch(rt.stream)
+        for _ in range(3):
+            assert all(np.array_equal(a, b) for a, b in zip(run(graph.replay), first)), tokens
+        graph.close()
 
 
 @pytest.mark.parametrize("iters", [0, 1, 2, 5])
@@ -117,8 +168,10 @@ def test_pre_flash_long_batch(rt, dev):
     tokens, hc, dim = 8192, 4, 4096
     got, ref, launch = run_pre(rt, dev, BF16, tokens, hc, dim, ITERS, 8)
     check_pre(got, ref, BF16)
+    ws = workspace(dev, 64, hc, dim)
     for n in (tokens, 4224, 4192, 1024, 64, 1):
-        again = k.pre(rt.device, BF16, *[a.value for a in launch.args[:7]], n, hc, dim, EPS, HC_EPS, ITERS) if n < tokens else launch
+        again = k.pre(rt.device, BF16, *[a.value for a in launch.args[:7]], n, hc, dim, EPS, HC_EPS, ITERS,
+                      workspace=ws.ptr) if n < tokens else launch
         start, end = Event(), Event()
         rt.stream.record(start)
         again(rt.stream)

@@ -123,6 +123,36 @@ def test_small_model_formulas():
     assert build_plan(cfg).numerics == "exact" and build_plan(flash()).numerics == "faithful"
 
 
+
+def test_the_float32_build_keeps_float32_main_rows_in_faithful_numerics():
+    """The tight-check build stores faithful main entries as float32 rows of the rounded values (4·head_dim) and the
+    indexer keys packed as in bf16; the bf16 build's faithful plan is unchanged."""
+    for cfg in (flash(), pro()):
+        k = {k.name: k for k in build_plan(cfg, "faithful", element_bytes=4).kinds}
+        assert (k["window"].entry_bytes, k["compressed_c4a"].entry_bytes, k["compressed_c128a"].entry_bytes,
+                k["indexer"].entry_bytes) == (2048, 2048, 2048, 68)
+        assert build_plan(cfg, "faithful", element_bytes=4).class_page_bytes == (64 * 2048, 4352, 2 * 2048)
+        assert build_plan(cfg, "exact", element_bytes=4).class_page_bytes == (64 * 2048, 64 * 512, 2 * 2048)
+        assert build_plan(cfg, "faithful").class_page_bytes == (37376, 4352, 1168)
+    small = {k.name: k.entry_bytes for k in build_plan(tiny_a(), "faithful", element_bytes=4).kinds}
+    assert (small["window"], small["indexer"]) == (4 * 32, 9)   # 8 e2m1 bytes and a scale at index_head_dim 16
+
+
+@pytest.mark.parametrize("element_bytes", [2, 4])
+@pytest.mark.parametrize("numerics", ["exact", "faithful"])
+def test_entry_sizes_are_the_kernels(numerics, element_bytes):
+    """What the plan gives each main and indexer entry is what the launchers check the caches against."""
+    import ml_dtypes
+    import numpy as np
+    from dsv4rt.model.attention import kv_entry_bytes
+    from dsv4rt.model.compress import indexer_entry_bytes
+    dtype = {2: ml_dtypes.bfloat16, 4: np.float32}[element_bytes]
+    faithful = numerics == "faithful"
+    for cfg in (flash(), pro(), tiny_a()):
+        k = {k.name: k.entry_bytes for k in build_plan(cfg, numerics, element_bytes).kinds}
+        assert k["window"] == k["compressed_c4a"] == kv_entry_bytes(dtype, cfg.head_dim, cfg.rope_dim, faithful)
+        assert k["indexer"] == indexer_entry_bytes(dtype, cfg.index_head_dim, faithful)
+
 def test_models_lacking_some_kinds_still_have_three_classes():
     only_sliding = build_plan(tiny_a(layer_types=[SLIDING] * 5), "exact")
     assert [k.name for k in only_sliding.kinds] == ["window"]

@@ -116,7 +116,7 @@ def test_inspect_lists_quantised_dtypes(official):
 
 def test_logits_default_to_faithful_numerics(official, faithful_logits, ids, tmp_path):
     np.save(tmp_path / "ids.npy", ids)
-    r = dsv4rt("logits", official, "--ids", tmp_path / "ids.npy", "--out", tmp_path / "o.npy")
+    r = dsv4rt("logits", official, "--ids", tmp_path / "ids.npy", "--out", tmp_path / "o.npy", "--device", "cpu")
     assert r.returncode == 0, r.stderr
     cli = np.load(tmp_path / "o.npy")
     assert rel_rows(cli, faithful_logits).max() < 1e-6

@@ -91,7 +91,7 @@ def _generator(path: Path, device: str, numerics: str | None):
     from ..chat.session import Generator, GpuGenerator
     if device == "cuda":
         from ..model.forward import GpuModel
-        return GpuGenerator(GpuModel(path, max_len=CHAT_MAX_LEN, kv_bytes=CHAT_KV_BYTES))
+        return GpuGenerator(GpuModel(path, max_len=CHAT_MAX_LEN, kv_bytes=CHAT_KV_BYTES, numerics=numerics))
     from ..reference import load_model
     return Generator(load_model(path, numerics))
 
@@ -107,14 +107,14 @@ def _generator(path: Path, device: str, numerics: str | None):
 @click.option("--max-new-tokens", default=512, show_default=True, type=int)
 @click.option("--thinking", is_flag=True, help="thinking mode: the model reasons before answering")
 @click.option("--device", type=click.Choice(DEVICES), default="auto")
-@click.option("--numerics", type=click.Choice(["exact", "faithful"]))
+@click.option("--numerics", type=click.Choice(["exact", "faithful"]), help="default: faithful for fp8 checkpoints")
 def chat(model, prompt, system, temperature, top_p, top_k, seed, max_new_tokens, thinking, device, numerics):
     """Talk to MODEL (default: the built-in demo model)."""
     from ..chat import load_tokenizer
     from ..chat.session import ChatSession
     params = SamplingParams(temperature, top_p, top_k, max_new_tokens, seed).check()
     path = Path(model) if model else _ensure_demo()
-    device = resolve_device(device, gpu_ready=numerics != "faithful")
+    device = resolve_device(device)
     session = ChatSession(_generator(path, device, numerics), load_tokenizer(path), params, thinking, system)
     if prompt is not None:
         _say(session, prompt)

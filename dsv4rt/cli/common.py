@@ -10,16 +10,14 @@ import numpy as np
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def resolve_device(name: str, gpu_ready: bool = True) -> str:
-    """`auto` is cuda when a GPU is visible and the command has a GPU path (`gpu_ready`), else cpu."""
+def resolve_device(name: str) -> str:
+    """`auto` is cuda when a GPU is visible, else cpu."""
     from ..cuda.driver import gpu_visible
     if name == "cuda":
-        if not gpu_ready:
-            raise ValueError("--device cuda: not available for this command or numerics yet; use --device cpu")
         if not gpu_visible():
             raise ValueError("--device cuda: no NVIDIA GPU visible")
         return "cuda"
-    if name == "auto" and gpu_ready and gpu_visible():
+    if name == "auto" and gpu_visible():
         return "cuda"
     return "cpu"
 

@@ -43,7 +43,7 @@ def generate(model, prompts_path, max_new_tokens, temperature, seed, chat, as_js
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed).check()
     prompts = _read_prompts(prompts_path)
     texts = [encode_messages([{"role": "user", "content": p}]) for p in prompts] if chat else prompts
-    device = resolve_device(device, gpu_ready=numerics != "faithful")
+    device = resolve_device(device)
     off = {"prefix_cache_blocks": 0, "prefix_cache_bytes": 0} if no_prefix_cache else {}
     engine = Engine(model, device, numerics=numerics, **off)
     start = time.perf_counter()

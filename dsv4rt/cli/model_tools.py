@@ -44,7 +44,7 @@ def logits(model, ids_path, out, chunks, device, numerics, storage):
     from ..config import ModelConfig
     from ..reference import default_numerics, load_model
     numerics = numerics or default_numerics(ModelConfig.load(model))
-    where = resolve_device(device, gpu_ready=numerics == "exact")  # faithful numerics: CPU only, for now
+    where = resolve_device(device)
     ids = _read_ids(ids_path)
     chunk_sizes = _parse_chunks(chunks)
     if not Path(out).resolve().parent.is_dir():
@@ -52,17 +52,18 @@ def logits(model, ids_path, out, chunks, device, numerics, storage):
     if where == "cpu":
         logits_all = load_model(model, numerics).logits_chunked(ids, chunk_sizes)
     else:
-        logits_all = _gpu_logits(model, ids, chunk_sizes, storage)
+        logits_all = _gpu_logits(model, ids, chunk_sizes, storage, numerics)
     save_npy_atomic(out, logits_all.astype(np.float32))
 
 
-def _gpu_logits(model, ids, chunk_sizes, storage) -> np.ndarray:
+def _gpu_logits(model, ids, chunk_sizes, storage, numerics) -> np.ndarray:
     import ml_dtypes
     from ..model.forward import GpuModel
     chunk_sizes = chunk_sizes or [len(ids)]
     if sum(chunk_sizes) != len(ids) or min(chunk_sizes) <= 0:
         raise ValueError(f"chunk sizes {chunk_sizes} must be positive and sum to the {len(ids)} tokens")
-    m = GpuModel(model, np.float32 if storage == "float32" else ml_dtypes.bfloat16, max_len=len(ids))
+    m = GpuModel(model, np.float32 if storage == "float32" else ml_dtypes.bfloat16, max_len=len(ids),
+                 numerics=numerics)
     bounds = np.cumsum([0] + chunk_sizes)
     return np.concatenate([m.forward(ids[a:b]) for a, b in zip(bounds[:-1], bounds[1:])])
 

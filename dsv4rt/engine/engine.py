@@ -35,8 +35,9 @@ class Engine:
                  prefix_cache_blocks: int = 256, *, dtype: str = "bf16", max_len: int = 65536,
                  graphs: bool = True, runtime=None, prefix_cache_bytes: int = 1 << 30):
         """device "cuda": the GPU runner, `dtype` bf16 (or float32, to check it against the reference),
-        requests up to max_len positions, decode CUDA graphs unless graphs=False. prefix_cache_blocks (cpu)
-        or prefix_cache_bytes (cuda) bound the prefix cache; 0 turns it off."""
+        requests up to max_len positions, decode CUDA graphs unless graphs=False. numerics exact or faithful
+        (MODEL.md section 9), on either device; by default faithful for checkpoints stored in fp8/fp4.
+        prefix_cache_blocks (cpu) or prefix_cache_bytes (cuda) bound the prefix cache; 0 turns it off."""
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got '{device}'")
         self.tokenizer = load_tokenizer(model_dir)

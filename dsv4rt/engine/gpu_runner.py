@@ -50,12 +50,11 @@ class GpuRunner:
     def build(cls, model_dir, dtype: str, kv_bytes: int, max_running: int, token_budget: int, max_len: int,
               graphs: bool = True, runtime=None, numerics: str | None = None,
               slab_bytes: int = DEFAULT_SLAB_BYTES) -> "GpuRunner":
-        if numerics == "faithful":
-            raise ValueError("the GPU runner has exact numerics only for now; use --numerics exact or --device cpu")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
         model = GpuModel(model_dir, DTYPES[dtype], runtime=runtime, max_len=max_len, kv_bytes=kv_bytes,
-                         max_batch=max_running, step_rows=max(token_budget, max_running), slab_bytes=slab_bytes)
+                         max_batch=max_running, step_rows=max(token_budget, max_running), slab_bytes=slab_bytes,
+                         numerics=numerics)
         return cls(model, graphs)
 
     def run(self, step: Step) -> list[int]:

@@ -12,7 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ml_dtypes
+import numpy as np
+
 from ..config import CSA, HCA, ModelConfig
+from ..model.attention import kv_entry_bytes
+from ..model.compress import indexer_entry_bytes as index_key_bytes
 
 BLOCK_POSITIONS = 256      # the scheduler's logical block, in raw positions
 WINDOW_PAGE_TOKENS = 64    # a window page then has the size of a c4a compressed page (64 entries)
@@ -21,6 +26,7 @@ STATE_BYTES = 4            # compressor states (a, z rows) stay float32 in both 
 LARGE, MEDIUM, SMALL = 0, 1, 2
 CLASS_NAMES = ("large", "medium", "small")
 NUMERICS = ("exact", "faithful")
+_STORAGE = {2: np.dtype(ml_dtypes.bfloat16), 4: np.dtype(np.float32)}   # element bytes -> the build's type
 
 
 @dataclass(frozen=True)
@@ -130,16 +136,15 @@ class KVPlan:
 
 
 def main_entry_bytes(cfg: ModelConfig, numerics: str, element_bytes: int = 2) -> int:
-    """element_bytes: exact numerics store bf16 (2); the float32 test build of the kernels stores 4."""
-    if numerics == "exact":
-        return element_bytes * cfg.head_dim
-    nope = cfg.head_dim - cfg.rope_dim   # e4m3 bytes, a ue8m0 scale per 64; rope dims stay bf16
-    return _round_up(nope + 2 * cfg.rope_dim + -(-nope // 64), 8)
+    """One window row or compressed entry as the kernels store it (model.attention.kv_entry_bytes). element_bytes:
+    the build's storage, bf16 (2) or the float32 test build (4), whose faithful entries stay float32 rows."""
+    return kv_entry_bytes(_STORAGE[element_bytes], cfg.head_dim, cfg.rope_dim, numerics == "faithful")
 
 
 def indexer_entry_bytes(cfg: ModelConfig, numerics: str, element_bytes: int = 2) -> int:
-    d = cfg.index_head_dim
-    return element_bytes * d if numerics == "exact" else -(-d // 2) + -(-d // 32)   # e2m1 pairs, a ue8m0 scale per 32
+    """One indexer key as the kernels store it (model.compress.indexer_entry_bytes): packed e2m1 in faithful
+    numerics, whatever the build."""
+    return index_key_bytes(_STORAGE[element_bytes], cfg.index_head_dim, numerics == "faithful")
 
 
 def default_numerics(cfg: ModelConfig) -> str:

@@ -1,4 +1,5 @@
-"""Launchers of the attention family: fusion 3 (cuda_src/qkv.cu) and sparse attention (cuda_src/attention.cu)."""
+"""Launchers of the attention family: fusion 3 (cuda_src/qkv.cu) and sparse attention (cuda_src/attention.cu,
+and the bf16 build's tensor-core kernel cuda_src/attention_mqa.cu)."""
 from __future__ import annotations
 
 import ctypes
@@ -6,6 +7,7 @@ import ctypes
 import numpy as np
 
 from ..cuda.device import Device, Launch
+from ..cuda.driver import check, drv
 from ..cuda.ops import storage_name
 from .paged import LaunchSequence, PagedCache
 
@@ -15,12 +17,16 @@ ATTENTION_THREADS = 128        # kAttnWarps * 32
 TILE_BYTES = 16384             # one shared-memory key tile at head_dim 512; two are in flight
 QKV_WARPS = 8
 COMBINE_WARPS = 8
+MQA_HEADS = 64                 # kMqaHeads of attention_mqa.cu: the heads of one block
+MQA_KEYS = 32                  # kMqaKeys: keys per shared-memory tile
+MQA_THREADS = 256              # kMqaWarps * 32
 
 KV_BLOCK = 64                  # kKvBlock of kv_fp8.cuh: nope dims per e8m0 scale
 
 _QKV = tuple(f"qkv_norm_rope_insert<{t}{f}>" for f in ("", ",true") for t in ("float", "__nv_bfloat16"))
 _ATTENTION = (*(f"{k}<{t}>" for k in ("sparse_attention", "attention_combine") for t in ("float", "__nv_bfloat16")),
               "sparse_attention<__nv_bfloat16,true>")
+_MQA = ("sparse_attention_mqa<__nv_bfloat16>", "sparse_attention_mqa<__nv_bfloat16,true>")
 
 
 def packed_kv(dtype, fp8_kv: bool) -> bool:
@@ -90,6 +96,15 @@ def attention_splits(rows: int, heads: int, max_keys: int, dtype, sm_count: int,
     return max(1, min(-(-waves * sm_count // blocks), -(-max_keys // (min_tiles * tile_keys))))
 
 
+def attention_mqa_splits(rows: int, heads: int, max_keys: int, sm_count: int, min_tiles: int = 2) -> int:
+    """attention_splits for sparse_attention_mqa, whose blocks take all heads (up to MQA_HEADS) of a row and
+    a whole SM each: enough blocks for one wave when rows are few, at least `min_tiles` key tiles each, since
+    every split adds heads·head_dim float32 partial sums per row for attention_combine to read back. Depends on
+    shapes only, so a graph's launch stays valid."""
+    blocks = rows * -(-heads // MQA_HEADS)
+    return max(1, min(-(-sm_count // blocks), -(-max_keys // (min_tiles * MQA_KEYS))))
+
+
 def attention_workspace_bytes(rows: int, heads: int, head_dim: int, splits: int) -> int:
     """Bytes of the workspace sparse_attention needs with `splits` > 1 (partial sums, maxima, denominators)."""
     return 0 if splits <= 1 else rows * heads * splits * (head_dim + 2) * 4
@@ -107,6 +122,26 @@ def sparse_attention(device: Device, dtype, out: int, q: int, positions: int, re
     many blocks (decode batches too small to fill the GPU) and needs a `workspace` of
     attention_workspace_bytes(); a second launch merges them. fp8_kv: both caches hold faithful-mode
     entries (kv_entry_bytes); the bf16 build dequantises packed ones in its key loads."""
+    return _attention(False, device, dtype, out, q, positions, req, sink, inv_freq, window, compressed, selected,
+                      rows, heads, head_dim, rope_dim, window_size, ratio, top_k, splits, workspace, fp8_kv)
+
+
+def sparse_attention_mqa(device: Device, dtype, out: int, q: int, positions: int, req: int, sink: int,
+                         inv_freq: int, window: PagedCache, compressed: PagedCache | None = None,
+                         selected: int | None = None, *, rows: int, heads: int, head_dim: int, rope_dim: int,
+                         window_size: int, ratio: int = 0, top_k: int = 0, splits: int = 1, workspace: int = 0,
+                         fp8_kv: bool = False) -> Launch | LaunchSequence:
+    """sparse_attention on the tensor cores, bf16 build only (head_dim a multiple of 16): a block takes a row's
+    q for up to MQA_HEADS heads, so each key is read once per row, and computes scores and P·V with bf16
+    mma.sync (P rounded to bf16). Same arguments, outputs, workspace layout and merge (attention_combine);
+    pick `splits` with attention_mqa_splits and size the workspace for them. fp8_kv: packed entries are
+    dequantised (exactly) into the shared-memory key tiles."""
+    return _attention(True, device, dtype, out, q, positions, req, sink, inv_freq, window, compressed, selected,
+                      rows, heads, head_dim, rope_dim, window_size, ratio, top_k, splits, workspace, fp8_kv)
+
+
+def _attention(mqa: bool, device, dtype, out, q, positions, req, sink, inv_freq, window, compressed, selected, rows,
+               heads, head_dim, rope_dim, window_size, ratio, top_k, splits, workspace, fp8_kv):
     if compressed is None and (ratio or selected):
         raise ValueError("compressed entries need the compressed cache")
     if compressed is not None and ratio <= 0:
@@ -117,11 +152,12 @@ def sparse_attention(device: Device, dtype, out: int, q: int, positions: int, re
         raise ValueError("attention needs at least one row")
     if splits > 1 and not workspace:
         raise ValueError("splits > 1 needs a workspace")
+    if mqa and (np.dtype(dtype).itemsize != 2 or head_dim % 16):
+        raise ValueError(f"sparse_attention_mqa takes bf16 rows of a multiple of 16 dims, not {np.dtype(dtype)} "
+                         f"× {head_dim} (the float32 build runs sparse_attention)")
     caches = [window] + ([compressed] if compressed else [])
     _check_shape(dtype, head_dim, rope_dim, caches, [out, q, workspace, *(c.base for c in caches)], fp8_kv)
     t = storage_name(dtype)
-    itemsize = np.dtype(dtype).itemsize
-    tile_keys = TILE_BYTES // (MAX_HEAD_DIM * itemsize)
     packed = packed_kv(dtype, fp8_kv)
     cmp = compressed or PagedCache(0, 0, 0, 1, 16)
     part_o = workspace if splits > 1 else 0
@@ -131,9 +167,18 @@ def sparse_attention(device: Device, dtype, out: int, q: int, positions: int, re
             *window.args(), *cmp.args(), ctypes.c_void_p(selected or 0), ctypes.c_int(top_k),
             ctypes.c_int(ratio if compressed else 0), ctypes.c_int(window_size), ctypes.c_int(heads),
             ctypes.c_int(head_dim), ctypes.c_int(rope_dim), ctypes.c_float(np.float32(head_dim ** -0.5))]
-    main = device.kernel("attention", f"sparse_attention<{t}{',true' if packed else ''}>", _ATTENTION).bind(
-        (rows, -(-heads // BLOCK_HEADS), max(1, splits)), ATTENTION_THREADS, args,
-        shared=2 * tile_keys * kv_entry_bytes(dtype, head_dim, rope_dim, fp8_kv))
+    flag = ",true" if packed else ""
+    if mqa:
+        kernel = device.kernel("attention_mqa", f"sparse_attention_mqa<{t}{flag}>", _MQA)
+        block_heads, threads = MQA_HEADS, MQA_THREADS
+        shared = attention_mqa_shared_bytes(dtype, head_dim, rope_dim, fp8_kv)
+        _allow_shared(kernel, shared)
+    else:
+        kernel = device.kernel("attention", f"sparse_attention<{t}{flag}>", _ATTENTION)
+        tile_keys = TILE_BYTES // (MAX_HEAD_DIM * np.dtype(dtype).itemsize)
+        block_heads, threads = BLOCK_HEADS, ATTENTION_THREADS
+        shared = 2 * tile_keys * kv_entry_bytes(dtype, head_dim, rope_dim, fp8_kv)
+    main = kernel.bind((rows, -(-heads // block_heads), max(1, splits)), threads, args, shared=shared)
     if splits <= 1:
         return main
     combine_args = [ctypes.c_void_p(out), ctypes.c_void_p(part_o), ctypes.c_void_p(part_ml), ctypes.c_void_p(sink),
@@ -142,3 +187,20 @@ def sparse_attention(device: Device, dtype, out: int, q: int, positions: int, re
     combine = device.kernel("attention", f"attention_combine<{t}>", _ATTENTION).bind(
         -(-rows * heads * -(-head_dim // 128) // COMBINE_WARPS), COMBINE_WARPS * 32, combine_args)
     return LaunchSequence(main, combine)
+
+
+def attention_mqa_shared_bytes(dtype, head_dim: int, rope_dim: int, fp8_kv: bool = False) -> int:
+    """Dynamic shared memory of sparse_attention_mqa: q rows and bf16 key tiles of head_dim + 8 elements (two
+    tiles; packed fp8 entries: one, and two encoded ones), and the partial scores its warps swap."""
+    packed = packed_kv(dtype, fp8_kv)
+    tiles = (MQA_HEADS + (1 if packed else 2) * MQA_KEYS) * (head_dim + 8) * 2
+    encoded = 2 * MQA_KEYS * kv_entry_bytes(dtype, head_dim, rope_dim, True) if packed else 0
+    return tiles + MQA_THREADS // 32 * MQA_KEYS * 64 + encoded
+
+
+def _allow_shared(kernel, nbytes: int):
+    """Dynamic shared memory beyond 48 KB needs the opt-in; only ever raised, as compress._allow_shared (which
+    imports this module)."""
+    attr = drv().CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if nbytes > check(drv().cuFuncGetAttribute(attr, kernel.function)):
+        check(drv().cuFuncSetAttribute(kernel.function, attr, nbytes))

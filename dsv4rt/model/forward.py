@@ -1,7 +1,9 @@
 """The DeepSeek V4 forward on the GPU for one request: the per-layer launch sequence over paged caches.
 
 Every kernel is a template over the storage type, so `GpuModel(dir, np.float32)` runs the same code
-as the bf16 build and is checked tightly against the numpy reference."""
+as the bf16 build and is checked tightly against the numpy reference. Faithful numerics (MODEL.md
+section 9) read fp8/fp4 weights as stored, quantise the inputs of their GEMMs and keep the main cache
+in fp8 and the indexer keys in fp4."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,18 +15,22 @@ from ..config import CSA, SLIDING
 from ..cuda import ops
 from ..cuda.device import Event, Stream
 from ..cuda.runtime import Runtime
-from ..kv import BlockManager, SlabAllocator, build_plan
+from ..kv import NUMERICS, BlockManager, SlabAllocator, build_plan
+from ..kv.plan import default_numerics
 from ..kv.slab import DEFAULT_SLAB_BYTES
-from ..loader import Checkpoint
+from ..loader import Checkpoint, scale_name
 from . import attention as attn_k
 from . import compress as comp_k
+from . import fp8, moe_fp4
 from . import hc as hc_k
 from . import sample as sample_k
 from .inputs import StepInputs
 from .paged import PagedCache
 from .tables import PageTables
 from .gemm import Blas, grouped_linear, linear
+from .linear_fp8 import linear_fp8, released_formats
 from .moe import ExpertWeights, MoE, MoeDims, pointer_table, workspace_bytes
+from .moe_fp4 import Fp4Experts, Fp4MoE, Fp8Expert
 from .weights import load_weights
 
 F32 = np.dtype(np.float32)
@@ -57,21 +63,28 @@ class GpuModel:
     """The forward for up to `max_batch` requests at once (one request slot each), at most `step_rows`
     tokens per step and `max_len` positions per request. A request's own tokens in one step must
     number at most `max_chunk` (window − 1): the attention kernel reads a step's keys from the window
-    cache, whose pages the block manager holds only for what a step reads or leaves to the next."""
+    cache, whose pages the block manager holds only for what a step reads or leaves to the next.
+    `numerics` exact or faithful; by default faithful for checkpoints stored in fp8/fp4."""
 
     def __init__(self, model_dir, dtype=ml_dtypes.bfloat16, *, runtime: Runtime | None = None,
                  max_len: int = 4096, kv_bytes: int = 256 << 20, max_batch: int = 1, step_rows: int | None = None,
-                 slab_bytes: int = DEFAULT_SLAB_BYTES):
+                 slab_bytes: int = DEFAULT_SLAB_BYTES, numerics: str | None = None):
         self.dtype = np.dtype(dtype)
         self.rt = rt = runtime or Runtime(arena_bytes=None)
         with Checkpoint.open(model_dir) as ck:
             ck.validate()
             self.cfg = cfg = ck.config
-            self.w = load_weights(ck, self.dtype, rt.arena, rt.stream).arrays
+            self.numerics = numerics or default_numerics(cfg)
+            if self.numerics not in NUMERICS:
+                raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got '{self.numerics}'")
+            self.faithful = self.numerics == "faithful"
+            # (attention GEMMs in fp8, experts in fp4/fp8): read as stored, their inputs quantised
+            self.fp8_attention, self.fp4_experts = released_formats(ck) if self.faithful else (False, False)
+            self.w = load_weights(ck, self.dtype, rt.arena, rt.stream, raw=self.faithful).arrays
         self.max_len, self.max_batch = max_len, max_batch
         self.max_chunk = max(1, cfg.window - 1)
         self.rows = step_rows or self.max_chunk
-        self.plan = build_plan(cfg, "exact", element_bytes=self.dtype.itemsize)
+        self.plan = build_plan(cfg, self.numerics, element_bytes=self.dtype.itemsize)
         self.kv = rt.arena.alloc(kv_bytes, "KV cache")
         self.allocator = SlabAllocator(kv_bytes, self.plan.class_page_bytes, slab_bytes)
         self.blocks = BlockManager(self.plan, self.allocator)
@@ -99,18 +112,31 @@ class GpuModel:
             self.inv_freq.append(buf.ptr)
 
     def _experts(self):
-        self.expert_tables = []
-        for i in range(self.cfg.num_layers):
-            p = f"layers.{i}.ffn.experts."
-            tables = [pointer_table(self.rt.arena, [self.w[f"{p}{e}.{m}.weight"].ptr for e in range(self.cfg.n_experts)])
-                      for m in ("w1", "w3", "w2")]
-            self.expert_tables.append(ExpertWeights(*(t.ptr for t in tables)))
+        """Per layer: pointer tables of the routed experts' matrices and the shared expert's (None without one);
+        in the released formats their scales too."""
+        c, W = self.cfg, self.w
+        parts = ("weight", "scale") if self.fp4_experts else ("weight",)
+        routed, shared = (Fp4Experts, Fp8Expert) if self.fp4_experts else (ExpertWeights, ExpertWeights)
+        self.expert_tables, self.shared_experts = [], []
+        for i in range(c.num_layers):
+            f = f"layers.{i}.ffn."
+            tables = [pointer_table(self.rt.arena, [W[f"{f}experts.{e}.{m}.{part}"].ptr for e in range(c.n_experts)])
+                      for part in parts for m in ("w1", "w3", "w2")]
+            self.expert_tables.append(routed(*(t.ptr for t in tables)))
+            self.shared_experts.append(shared(*(W[f"{f}shared_experts.{m}.{part}"].ptr for part in parts
+                                                for m in ("w1", "w3", "w2"))) if c.n_shared else None)
 
     def _workspace(self):
         c, T, s = self.cfg, self.rows, self.dtype.itemsize
         hd, D = c.head_dim, c.hidden_size
         n_max = self.max_len // c.csa_ratio + 1
         self.moe_dims = MoeDims(T, D, c.moe_inter, c.n_experts, c.n_active, c.moe_inter if c.n_shared else 0)
+        moe_bytes = (moe_fp4.workspace_bytes if self.fp4_experts else workspace_bytes)(self.moe_dims, self.dtype)
+        # act_quant's e4m3 copies and e8m0 scales of the fp8 GEMMs' inputs (the indexer's own, on its stream)
+        widths = dict(xn=D, qr=c.q_lora_rank, iqr=c.q_lora_rank, t=c.o_groups * c.o_lora_rank) \
+            if self.fp8_attention else {}
+        quantized = {f"{x}_{part}": T * (k if part == "q" else fp8.scale_columns(k))
+                     for x, k in widths.items() for part in ("q", "s")}
         self.inputs = StepInputs(T)
         self.ws = Workspace(self.rt.arena, dict(
             inputs=self.inputs.nbytes, X=T * c.hc_mult * D * s, u=T * D * s, xn=T * D * s,
@@ -119,11 +145,14 @@ class GpuModel:
             ia=T * 2 * c.index_head_dim * 4, iz=T * 2 * c.index_head_dim * 4,
             iq=T * c.index_n_heads * c.index_head_dim * s, iw=T * c.index_n_heads * 4, scores=T * n_max * 4,
             selected=T * c.index_topk * 4, o=T * c.num_heads * hd * s, t=T * c.o_groups * c.o_lora_rank * s,
-            f=T * D * s, y=T * D * s, logits=T * c.vocab_size * 4, moe=workspace_bytes(self.moe_dims, self.dtype),
+            f=T * D * s, y=T * D * s, logits=T * c.vocab_size * 4, moe=moe_bytes, **quantized,
+            hc_pre=hc_k.pre_workspace_bytes(T, c.hc_mult, D),
             att=max(attn_k.attention_workspace_bytes(t, c.num_heads, hd, self._splits(i, t))  # splits = 1 beyond
                     for t in range(1, min(T, 2 * self.rt.device.sm_count) + 1)    # 2·sm_count rows
                     for i in {(k, r): i for i, (k, r) in enumerate(zip(c.kinds, c.ratios))}.values())))
         self.ws.ptr.update(self.inputs.pointers(self.ws["inputs"]))
+        zeros = np.zeros(hc_k.pre_workspace_bytes(T, c.hc_mult, D), np.uint8)   # hc_pre's counters start at zero
+        self.ws.buffer.copy_from_host(zeros, self.rt.stream, offset=self.ws["hc_pre"] - self.ws.buffer.ptr)
         self.n_max = n_max
 
     def _splits(self, i: int, T: int) -> int:
@@ -237,41 +266,54 @@ class GpuModel:
             compressed = self.cache(main, i)
             self.side.wait(st.record(self.fork))
             self._compress(a + "compressor.", compressed, self.cache(state, i), i, T, hd, ratio, kind == CSA,
-                           ws["a"], ws["z"], self.side_blas, self.side)
+                           ws["a"], ws["z"], self.side_blas, self.side, fp8_kv=self.faithful)
             joins.append(self.side.record(self.side_done))
-        linear(self.blas, dt, ws["xn"], W[a + "wq_a.weight"].ptr, ws["qa"], T, c.q_lora_rank, c.hidden_size)(st)
+        self._linear(a + "wq_a.weight", "xn", "qa", T, c.q_lora_rank, c.hidden_size)(st)
         ops.rmsnorm(dev, dt, ws["qr"], ws["qa"], W[a + "q_norm.weight"].ptr, T, c.q_lora_rank, c.eps)(st)
         if kind == CSA:
             st.record(self.q_ready)       # before the indexer stream's wait for it is issued
             joins.append(self._indexer(i, T))
             selected = ws["selected"]
-        linear(self.blas, dt, ws["qr"], W[a + "wq_b.weight"].ptr, ws["q"], T, H * hd, c.q_lora_rank)(st)
-        linear(self.blas, dt, ws["xn"], W[a + "wkv.weight"].ptr, ws["kv"], T, hd, c.hidden_size)(st)
+        self._linear(a + "wq_b.weight", "qr", "q", T, H * hd, c.q_lora_rank)(st)
+        self._linear(a + "wkv.weight", "xn", "kv", T, hd, c.hidden_size, quantized=True)(st)   # xn's from wq_a
         window = self.cache("window", i)
         attn_k.qkv_norm_rope_insert(dev, dt, ws["q"], ws["kv"], W[a + "kv_norm.weight"].ptr, ws["pos"], ws["req"],
-                                    self.inv_freq[i], window, rows=T, heads=H, head_dim=hd, rope_dim=rd, eps=c.eps)(st)
+                                    self.inv_freq[i], window, rows=T, heads=H, head_dim=hd, rope_dim=rd, eps=c.eps,
+                                    fp8_kv=self.faithful)(st)
         for done in joins:
             st.wait(done)
         attn_k.sparse_attention(dev, dt, ws["o"], ws["q"], ws["pos"], ws["req"], W[a + "attn_sink"].ptr,
                                 self.inv_freq[i], window, compressed, selected, rows=T, heads=H, head_dim=hd,
                                 rope_dim=rd, window_size=c.window, ratio=ratio, top_k=c.index_topk,
-                                splits=self._splits(i, T), workspace=ws["att"])(st)
+                                splits=self._splits(i, T), workspace=ws["att"], fp8_kv=self.faithful)(st)
         G = c.o_groups
         grouped_linear(self.blas, dt, ws["o"], W[a + "wo_a.weight"].ptr, ws["t"], T, G, c.o_lora_rank,
                        H * hd // G)(st)
-        linear(self.blas, dt, ws["t"], W[a + "wo_b.weight"].ptr, ws["f"], T, c.hidden_size, G * c.o_lora_rank)(st)
+        self._linear(a + "wo_b.weight", "t", "f", T, c.hidden_size, G * c.o_lora_rank)(st)
         self._hc_post(T)
         self._hc_pre(p + "hc_ffn", p + "ffn_norm.weight", T)
         f = p + "ffn."
         hashed = c.hash_layers[i]
-        shared = ExpertWeights(*(W[f"{f}shared_experts.{m}.weight"].ptr for m in ("w1", "w3", "w2"))) \
-            if c.n_shared else None
         dims = MoeDims(T, c.hidden_size, c.moe_inter, c.n_experts, c.n_active, self.moe_dims.shared_inter)
-        MoE(dev, self.blas, dt, dims, x=ws["xn"], y=ws["f"], gate=W[f + "gate.weight"].ptr,
-            routed=self.expert_tables[i], shared=shared, scaling=c.routed_scaling, limit=c.swiglu_limit,
-            workspace=ws["moe"], bias=None if hashed else W[f + "gate.bias"].ptr,
+        (Fp4MoE if self.fp4_experts else MoE)(
+            dev, self.blas, dt, dims, x=ws["xn"], y=ws["f"], gate=W[f + "gate.weight"].ptr,
+            routed=self.expert_tables[i], shared=self.shared_experts[i], scaling=c.routed_scaling,
+            limit=c.swiglu_limit, workspace=ws["moe"], bias=None if hashed else W[f + "gate.bias"].ptr,
             tid2eid=W[f + "gate.tid2eid"].ptr if hashed else None, ids=ws["ids"] if hashed else None)(st)
         self._hc_post(T)
+
+    def _linear(self, weight: str, x: str, y: str, m: int, n: int, k: int, blas: Blas | None = None, *,
+                quantized_as: str | None = None, quantized: bool = False):
+        """ws[y] = ws[x]·Wᵀ. A weight stored in fp8 takes the faithful fp8 linear layer, x's quantised form in
+        ws[q_q], ws[q_s] with q = quantized_as or x (quantized: left there by an earlier launch on the stream);
+        any other weight a GEMM in the build's type."""
+        ws, W = self.ws, self.w
+        scale = W.get(scale_name(weight))
+        if scale is None:
+            return linear(blas or self.blas, self.dtype, ws[x], W[weight].ptr, ws[y], m, n, k)
+        q = quantized_as or x
+        return linear_fp8(self.rt.device, self.dtype, ws[x], W[weight].ptr, scale.ptr, ws[y], m, n, k,
+                          xq=ws[q + "_q"], xs=ws[q + "_s"], quantized=quantized)
 
     def _indexer(self, i: int, T: int) -> Event:
         """The indexer branch on its own stream, from the fork (xn ready) and q_ready (qr ready) events;
@@ -281,31 +323,33 @@ class GpuModel:
         x = f"layers.{i}.attn.indexer."
         nI, dI = c.index_n_heads, c.index_head_dim
         self._compress(x + "compressor.", self.cache("indexer", i), self.cache("state_indexer", i), i, T, dI,
-                       c.csa_ratio, True, ws["ia"], ws["iz"], blas, side)
+                       c.csa_ratio, True, ws["ia"], ws["iz"], blas, side, fp4_keys=self.faithful)
         linear(blas, dt, ws["xn"], W[x + "weights_proj.weight"].ptr, ws["iw"], T, nI, c.hidden_size, F32,
                alpha=dI ** -0.5 * nI ** -0.5)(side)
         side.wait(self.q_ready)
-        linear(blas, dt, ws["qr"], W[x + "wq_b.weight"].ptr, ws["iq"], T, nI * dI, c.q_lora_rank)(side)
+        self._linear(x + "wq_b.weight", "qr", "iq", T, nI * dI, c.q_lora_rank, blas, quantized_as="iqr")(side)
         comp_k.indexer_select(self.rt.device, dt, ws["selected"], ws["scores"], ws["iq"], ws["iw"],
                               self.cache("indexer", i), ws["pos"], ws["req"], rows=T, heads=nI, head_dim=dI,
                               topk=c.index_topk, n_max=self.n_max, ratio=c.csa_ratio, inv_freq=self.inv_freq[i],
-                              rope_dim=c.rope_dim)(side)
+                              rope_dim=c.rope_dim, fp4_keys=self.faithful)(side)
         return side.record(self.index_done)
 
-    def _compress(self, prefix, out, state, i, T, width, ratio, overlap, a, z, blas, stream):
+    def _compress(self, prefix, out, state, i, T, width, ratio, overlap, a, z, blas, stream, **stored):
+        """The compressor's two projections and fusion 1; `stored`: the cache's format (fp8_kv, fp4_keys)."""
         c, ws, W = self.cfg, self.ws, self.w
         n = (2 if overlap else 1) * width
         linear(blas, self.dtype, ws["xn"], W[prefix + "wkv.weight"].ptr, a, T, n, c.hidden_size, F32)(stream)
         linear(blas, self.dtype, ws["xn"], W[prefix + "wgate.weight"].ptr, z, T, n, c.hidden_size, F32)(stream)
         comp_k.compress_pool(self.rt.device, self.dtype, out, state, a, z, W[prefix + "ape"].ptr,
                              W[prefix + "norm.weight"].ptr, self.inv_freq[i], ws["pos"], ws["req"], rows=T,
-                             width=width, ratio=ratio, overlap=overlap, rope_dim=c.rope_dim, eps=c.eps)(stream)
+                             width=width, ratio=ratio, overlap=overlap, rope_dim=c.rope_dim, eps=c.eps,
+                             **stored)(stream)
 
     def _hc_pre(self, hc: str, norm: str, T: int):
         c, ws, dev, W = self.cfg, self.ws, self.rt.device, self.w
         hc_k.pre(dev, self.dtype, ws["u"], ws["post"], ws["comb"], ws["X"], W[hc + "_fn"].ptr, W[hc + "_base"].ptr,
                  W[hc + "_scale"].ptr, T, c.hc_mult, c.hidden_size, c.eps, c.hc_eps, c.hc_iters, xn=ws["xn"],
-                 norm=W[norm].ptr, norm_eps=c.eps)(self.rt.stream)
+                 norm=W[norm].ptr, norm_eps=c.eps, workspace=ws["hc_pre"])(self.rt.stream)
 
     def _hc_post(self, T: int):
         c, ws = self.cfg, self.ws

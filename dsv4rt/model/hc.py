@@ -19,7 +19,11 @@ from dsv4rt.model.paged import LaunchSequence
 HCS = (2, 4)    # the hc_mult values instantiated in hc.cu
 THREADS = 256   # kHcThreads
 TOK = 4         # kHcTok: tokens per thread group in hc_pre / hc_head
-SPLIT = 8       # kHcSplit: blocks of a cluster in hc_pre_split, each one slice of the hc·D reduction
+DECODE_THREADS = 288  # kPreThreads of hc_pre_decode
+DECODE_TOKENS = (1, 8, 16)  # its instantiated token groups
+DECODE_BLOCKS = 128   # the blocks it aims for: one a SM, all resident at once (H200: 132 SMs)
+SLICE_UNIT = 128      # columns of one 32-lane step of four; slices are multiples of it
+COUNTER_BYTES = 256   # hc_pre_decode's two counters, at the start of its workspace
 
 
 @functools.cache
@@ -68,23 +72,49 @@ def embed(device: Device, dtype, out: int, ids: int, table: int, tokens: int, vo
     return k.bind(tokens, _block_1d(-(-dim // _vec(dtype)), 256), args)
 
 
+def _decode_grid(tokens: int, hc: int, dim: int) -> tuple[int, int, int, int]:
+    """(tokens per group, groups, slices, columns per slice) of hc_pre_decode: blocks = groups × slices, about
+    DECODE_BLOCKS of them, each one slice of the hc·D columns for one group."""
+    group = next(n for n in DECODE_TOKENS if n >= min(tokens, DECODE_TOKENS[-1]))
+    groups = -(-tokens // group)
+    units = -(-(hc * dim) // SLICE_UNIT)
+    per_slice = -(-units // max(1, DECODE_BLOCKS // groups))
+    return group, groups, -(-units // per_slice), per_slice * SLICE_UNIT
+
+
+def _partial_bytes(tokens: int, hc: int, dim: int) -> int:
+    return tokens * _decode_grid(tokens, hc, dim)[2] * ((2 + hc) * hc + 1) * 4
+
+
+def pre_workspace_bytes(tokens: int, hc: int, dim: int) -> int:
+    """Bytes of the workspace `pre` needs for batches of up to `tokens` tokens. Zero it once before the first
+    launch (two counters that every launch leaves at zero again); launches that share it must not overlap."""
+    return COUNTER_BYTES + max((_partial_bytes(t, hc, dim) for t in range(1, tokens + 1)), default=0)
+
+
 def pre(device: Device, dtype, u: int, post: int, comb: int, x: int, fn: int, base: int, scale: int,
         tokens: int, hc: int, dim: int, eps: float, hc_eps: float, iters: int, *, xn: int = 0, norm: int = 0,
-        norm_eps: float = 0.0) -> Launch | LaunchSequence:
+        norm_eps: float = 0.0, workspace: int = 0) -> Launch | LaunchSequence:
     """u [T, D] = Σ_j pre_j X_j, post [T, hc], comb [T, hc, hc] from streams x [T, hc, D];
     fn [(2+hc)·hc, hc·D], base [(2+hc)·hc], scale [3]. With xn also xn [T, D] = RMSNorm(u) · norm
-    (float32 [D]), inside the decode kernel or as a second launch."""
+    (float32 [D]), inside the decode kernel or as a second launch. Decode batches need `workspace`:
+    pre_workspace_bytes(tokens, hc, dim) bytes or more, zeroed before its first use."""
     if tokens == 0:
         return _nothing
     args = _p(u, post, comb, x, fn, base, scale) + [ctypes.c_int(tokens), ctypes.c_int(dim), ctypes.c_float(eps),
                                                     ctypes.c_float(hc_eps), ctypes.c_int(iters)]
     if -(-tokens // TOK) <= device.sm_count:
-        # Decode: a block per TOK tokens would read all of fn (1.5 MB at Flash sizes) alone; a cluster of
-        # SPLIT blocks shares the reduction instead, one token per cluster while clusters of 8 SMs are
-        # spare, else TOK tokens (H200, bf16 Flash: 8 us for 1 or 8 tokens, 20 us for 64; 23-26 us before).
-        per = 1 if tokens * SPLIT <= device.sm_count else TOK
-        args += [*_p(xn, norm), ctypes.c_float(norm_eps)]
-        return _kernel(device, "hc_pre_split", dtype, hc, per).bind((SPLIT, -(-tokens // per)), THREADS, args)
+        # Decode: a block per TOK tokens would read all of fn (1.5 MB at Flash sizes) alone; about DECODE_BLOCKS
+        # blocks share it instead, a slice each, and the last to finish theirs finish the tokens. Finishers wait for
+        # the others, so fewer of them than SMs keeps an SM free for any block yet to start (H200, bf16 Flash,
+        # the cluster kernel this replaced: 16 us a launch at 1 token in ncu, 20 us at 64).
+        if not workspace:
+            raise ValueError("decode batches need a workspace of pre_workspace_bytes(tokens, hc, dim) bytes")
+        group, groups, slices, cols = _decode_grid(tokens, hc, dim)
+        finishers = min(tokens, groups * slices, device.sm_count - 1)
+        args += [*_p(xn, norm), ctypes.c_float(norm_eps), *_p(workspace, workspace + COUNTER_BYTES),
+                 ctypes.c_int(cols), ctypes.c_int(finishers)]
+        return _kernel(device, "hc_pre_decode", dtype, hc, group).bind((slices, groups), DECODE_THREADS, args)
     g = _groups(device, tokens)
     launch = _kernel(device, "hc_pre", dtype, hc).bind(-(-tokens // (g * TOK)), (THREADS // g, g), args)
     return LaunchSequence(launch, ops.rmsnorm(device, dtype, xn, u, norm, tokens, dim, norm_eps)) if xn else launch
