@@ -20,7 +20,7 @@ from dsv4rt.cuda import ops
 from dsv4rt.cuda.device import Event, Graph
 from dsv4rt.cuda.driver import check, drv
 from dsv4rt.cuda.runtime import Runtime
-from dsv4rt.model import attention as attn_k, compress as comp_k, fp8 as fp8_k, hc as hc_k
+from dsv4rt.model import attention as attn_k, compress as comp_k, fp8 as fp8_k, gemm_fp8, hc as hc_k
 from dsv4rt.model.gemm import Blas, grouped_linear, linear
 from dsv4rt.model.moe import ExpertWeights, MoE, MoeDims, pointer_table, workspace_bytes
 from dsv4rt.model.paged import PagedCache
@@ -117,8 +117,12 @@ def per_batch(b: Bench, blas: Blas, B: int):
     fn, base, scale = b.host(np.random.default_rng(1).standard_normal(((2 + HC) * HC, HC * D), np.float32) * 0.01), \
         b.host(np.zeros((2 + HC) * HC, np.float32)), b.host(np.ones(3, np.float32))
     post, comb = b.buf(B * HC * 4, fill=False), b.buf(B * HC * HC * 4, fill=False)
-    b.record("hc_pre", B, 0, hc_k.pre(b.dev, BF16, y.ptr, post.ptr, comb.ptr, X.ptr, fn.ptr, base.ptr, scale.ptr, B,
-                                      HC, D, 1e-6, 1e-6, 20), B * HC * D * T + fn.nbytes + B * D * T)
+    ws = b.host(np.zeros(hc_k.pre_workspace_bytes(B, HC, D), np.uint8))
+    hc_args = (y.ptr, post.ptr, comb.ptr, X.ptr, fn.ptr, base.ptr, scale.ptr, B, HC, D, 1e-6, 1e-6, 20)
+    # fn stays in L2 across the graph's calls here; in a decode step it comes from HBM.
+    b.record("hc_pre", B, 0, hc_k.pre(b.dev, BF16, *hc_args, workspace=ws.ptr), B * HC * D * T + fn.nbytes + B * D * T)
+    b.record("hc_pre +norm", B, 0, hc_k.pre(b.dev, BF16, *hc_args, xn=x.ptr, norm=w.ptr, norm_eps=1e-6,
+                                            workspace=ws.ptr), B * HC * D * T + fn.nbytes + 2 * B * D * T + D * 4)
     b.record("hc_post", B, 0, hc_k.post(b.dev, BF16, X.ptr, X.ptr, x.ptr, post.ptr, comb.ptr, B, HC, D),
              2 * B * HC * D * T + B * D * T)
     gemms = [("gemm wq_a 4096>1024", D, QL, BF16, 1), ("gemm wq_b 1024>32768", QL, H * HD, BF16, 1),
@@ -148,11 +152,60 @@ def per_batch(b: Bench, blas: Blas, B: int):
             z.free()
     if b.wants("moe"):
         moe(b, blas, B)
-    logits = b.buf(B * V * 4)
-    temp, topk, topp = b.host(np.full(B, 0.7, np.float32)), b.host(np.zeros(B, np.int32)), b.host(np.full(B, 0.95, np.float32))
+    if b.wants("sample"):
+        sample_rows(b, B)
+
+
+# Prefill fp8 linears on the wgmma kernel (gemm_fp8), inputs already quantised (act_quant is a row per batch above):
+# random bytes, whose values do not change the time. TFLOP/s are printed against H200's dense fp8 peak as well as
+# the table's fraction of the measured bf16 rate.
+FP8_DENSE_TFLOPS = 1580.0
+PREFILL_ROWS = (128, 1024, 4096)
+
+
+def fp8_prefill(b: Bench):
+    shapes = [("fp8 prefill wq_a 4096>1024", D, QL), ("fp8 prefill wq_b 1024>32768", QL, H * HD),
+              ("fp8 prefill wo_b 8192>4096", G * OL, D), ("fp8 prefill shared w1 4096>2048", D, INTER)]
+    shapes = [s for s in shapes if b.wants(s[0])]
+    if shapes and b.dev.arch != gemm_fp8.ARCH:
+        print(f"fp8 prefill rows skipped: the wgmma kernel needs {gemm_fp8.ARCH}, this is {b.dev.arch}")
+        return
+    for name, k, n in shapes:
+        kb = k // 128
+        wq, ws = b.buf(n * k), b.host(np.full((n // 128, kb), 120, np.uint8))
+        for m in PREFILL_ROWS:
+            xq, xs, y = b.buf(m * k), b.host(np.full((m, kb), 127, np.uint8)), b.buf(m * n * 2, fill=False)
+            run = gemm_fp8.fp8_gemm(b.dev, xq.ptr, xs.ptr, wq.ptr, ws.ptr, y.ptr, m, n, k, BF16)
+            before = len(b.rows)
+            b.record(name, m, 0, run, m * k + n * k + xs.nbytes + ws.nbytes + 2 * m * n, 2 * m * n * k)
+            if len(b.rows) > before:
+                print(f"{name:34s} m={m:<5d} {b.rows[-1]['tflops']:7.1f} TFLOP/s = "
+                      f"{b.rows[-1]['tflops'] / FP8_DENSE_TFLOPS:.3f} of dense fp8 ({FP8_DENSE_TFLOPS:.0f})")
+            for z in (xq, xs, y):
+                z.free()
+        wq.free()
+        ws.free()
+
+
+def sample_rows(b: Bench, B: int):
+    """Sampling at T 0.7 on chat-like logits: 20 plausible tokens well above a long N(0, 2.5) tail, so most of the
+    vocabulary is in the pool and few tokens pass the cut; "flat": the random block (≈ N(0, 0.05)), the cut deep."""
+    rng = np.random.default_rng(1)
+    chat = rng.standard_normal((B, V), np.float32) * 2.5
+    for r in range(B):
+        chat[r, rng.choice(V, 20, replace=False)] += rng.uniform(8, 16, 20).astype(np.float32)
+    logits, flat = b.host(chat), b.buf(B * V * 4)
     seed, step, out = b.host(np.arange(B, dtype=np.uint64)), b.host(np.zeros(B, np.uint64)), b.buf(B * 4, fill=False)
-    b.record("sample top-p", B, 0, sample(b.dev, out.ptr, logits.ptr, B, V, temp.ptr, topk.ptr, topp.ptr, seed.ptr,
-                                          step.ptr), B * V * 4)
+    for name, rows, top_k, top_p in (("sample top-p", logits, 0, 0.9), ("sample top-k", logits, 50, 1.0),
+                                     ("sample top-p flat", flat, 0, 0.9)):
+        temp, topk, topp = (b.host(np.full(B, v, t)) for v, t in ((0.7, np.float32), (top_k, np.int32),
+                                                                  (top_p, np.float32)))
+        b.record(name, B, 0, sample(b.dev, out.ptr, rows.ptr, B, V, temp.ptr, topk.ptr, topp.ptr, seed.ptr, step.ptr),
+                 B * V * 4)
+        for z in (temp, topk, topp):
+            z.free()
+    for z in (logits, flat, seed, step, out):
+        z.free()
 
 
 def gemm_row(b: Bench, blas: Blas, name: str, B: int, k: int, n: int, out, groups: int):
@@ -225,6 +278,20 @@ def per_context(b: Bench, B: int, C: int):
                                       top_k=TOPK if chosen else 0, splits=splits, workspace=ws.ptr)
         b.record(f"attention decode {mode}", B, C, run, B * keys * HD * T + 2 * B * H * HD * T,
                  4 * B * H * keys * HD)
+        # The tensor-core kernel at its own splits (with attention_combine, then alone); at batch 1 also other
+        # splits, to tune attention_mqa_splits.
+        default = attn_k.attention_mqa_splits(B, H, keys, b.dev.sm_count)
+        for z in sorted({default, *((1, 5, 10, 20, 40) if B == 1 and mode == "c4a" else ())}):
+            ws = b.rt.arena.alloc(max(16, attn_k.attention_workspace_bytes(B, H, HD, z)))
+            run = attn_k.sparse_attention_mqa(b.dev, BF16, o.ptr, q.ptr, pos.ptr, req.ptr, sink.ptr, inv.ptr, window,
+                                              cache, chosen, rows=B, heads=H, head_dim=HD, rope_dim=RD, window_size=W,
+                                              ratio=ratio, top_k=TOPK if chosen else 0, splits=z, workspace=ws.ptr)
+            name = f"attention mqa decode {mode}" + ("" if z == default else f" splits={z}")
+            b.record(name, B, C, run, B * keys * HD * T + 2 * B * H * HD * T, 4 * B * H * keys * HD)
+            if z > 1 and z == default:
+                b.record(name + " kernel", B, C, run.launches[0], B * keys * HD * T + B * H * HD * T,
+                         4 * B * H * keys * HD)
+            ws.free()
     keys_cache, _ = paged(b, B, n4, 64, DI * T)
     qi, wi = b.buf(B * NI * DI * T), b.host(rng.standard_normal((B, NI)).astype(np.float32))
     scores, out = b.buf(B * n4 * 4, fill=False), b.buf(B * TOPK * 4, fill=False)
@@ -251,6 +318,7 @@ def main():
     with Runtime(arena_bytes=40 << 30) as rt:
         b, blas = Bench(rt, a.reps, [p for p in a.only.split(",") if p]), Blas(rt.arena, rt.device)
         copy, mm = a.copy_gbps, matrix_rate(b, blas)
+        fp8_prefill(b)
         for B in batches:
             per_batch(b, blas, B)
             for C in contexts if b.wants("attention") or b.wants("indexer") else []:
