@@ -66,6 +66,8 @@ class GpuModel:
     cache, whose pages the block manager holds only for what a step reads or leaves to the next.
     `numerics` exact or faithful; by default faithful for checkpoints stored in fp8/fp4."""
 
+    tensor_core_attention = True    # bf16 builds: sparse_attention_mqa (the float32 build always takes the CUDA cores)
+
     def __init__(self, model_dir, dtype=ml_dtypes.bfloat16, *, runtime: Runtime | None = None,
                  max_len: int = 4096, kv_bytes: int = 256 << 20, max_batch: int = 1, step_rows: int | None = None,
                  slab_bytes: int = DEFAULT_SLAB_BYTES, numerics: str | None = None):
@@ -82,6 +84,7 @@ class GpuModel:
             self.fp8_attention, self.fp4_experts = released_formats(ck) if self.faithful else (False, False)
             self.w = load_weights(ck, self.dtype, rt.arena, rt.stream, raw=self.faithful).arrays
         self.max_len, self.max_batch = max_len, max_batch
+        self.mqa = self.tensor_core_attention and self.dtype.itemsize == 2 and cfg.head_dim % 16 == 0
         self.max_chunk = max(1, cfg.window - 1)
         self.rows = step_rows or self.max_chunk
         self.plan = build_plan(cfg, self.numerics, element_bytes=self.dtype.itemsize)
@@ -158,6 +161,8 @@ class GpuModel:
     def _splits(self, i: int, T: int) -> int:
         c = self.cfg
         compressed = c.index_topk if c.kinds[i] == CSA else self.max_len // c.ratios[i] if c.ratios[i] else 0
+        if self.mqa:
+            return attn_k.attention_mqa_splits(T, c.num_heads, c.window + compressed, self.rt.device.sm_count)
         return attn_k.attention_splits(T, c.num_heads, c.window + compressed, self.dtype, self.rt.device.sm_count)
 
     # --- one request (tests, `dsv4rt logits`) ---------------------------------------------------
@@ -282,7 +287,8 @@ class GpuModel:
                                     fp8_kv=self.faithful)(st)
         for done in joins:
             st.wait(done)
-        attn_k.sparse_attention(dev, dt, ws["o"], ws["q"], ws["pos"], ws["req"], W[a + "attn_sink"].ptr,
+        attention = attn_k.sparse_attention_mqa if self.mqa else attn_k.sparse_attention
+        attention(dev, dt, ws["o"], ws["q"], ws["pos"], ws["req"], W[a + "attn_sink"].ptr,
                                 self.inv_freq[i], window, compressed, selected, rows=T, heads=H, head_dim=hd,
                                 rope_dim=rd, window_size=c.window, ratio=ratio, top_k=c.index_topk,
                                 splits=self._splits(i, T), workspace=ws["att"], fp8_kv=self.faithful)(st)
