@@ -30,7 +30,8 @@ constexpr int kMaxLoads = 8, kMemberLoads = 4;  // loads in flight per thread
 constexpr unsigned kAll = 0xffffffffu;
 
 __device__ __forceinline__ unsigned monotone_bits(float v) {
-    const unsigned u = __float_as_uint(v + 0.f);  // −0 → +0: equal logits compare equal
+    // −0 → +0 so that equal logits compare equal; not through v + 0.f, which turns a negative NaN positive
+    const unsigned u = v == 0.f ? 0u : __float_as_uint(v);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 

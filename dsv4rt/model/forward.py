@@ -288,10 +288,9 @@ class GpuModel:
         for done in joins:
             st.wait(done)
         attention = attn_k.sparse_attention_mqa if self.mqa else attn_k.sparse_attention
-        attention(dev, dt, ws["o"], ws["q"], ws["pos"], ws["req"], W[a + "attn_sink"].ptr,
-                                self.inv_freq[i], window, compressed, selected, rows=T, heads=H, head_dim=hd,
-                                rope_dim=rd, window_size=c.window, ratio=ratio, top_k=c.index_topk,
-                                splits=self._splits(i, T), workspace=ws["att"], fp8_kv=self.faithful)(st)
+        attention(dev, dt, ws["o"], ws["q"], ws["pos"], ws["req"], W[a + "attn_sink"].ptr, self.inv_freq[i], window,
+                  compressed, selected, rows=T, heads=H, head_dim=hd, rope_dim=rd, window_size=c.window, ratio=ratio,
+                  top_k=c.index_topk, splits=self._splits(i, T), workspace=ws["att"], fp8_kv=self.faithful)(st)
         G = c.o_groups
         grouped_linear(self.blas, dt, ws["o"], W[a + "wo_a.weight"].ptr, ws["t"], T, G, c.o_lora_rank,
                        H * hd // G)(st)
