@@ -278,6 +278,9 @@ __global__ void __launch_bounds__(kHcThreads) hc_pre(T* u, float* post, float* c
 // blocks done with their slice, counters[1] the finishers past the wait for all of them; both are zero before a
 // launch and the last finisher zeroes them again. Only finishers wait, and there are fewer of them than SMs, so a
 // block that has not started yet always finds an SM to run on (one block fits an SM).
+// With f the launch first applies the previous sublayer's hc_post (x_prev, f, post_prev, comb_prev): each block
+// computes its slice of the new streams, writes it to x and projects it. A slice needs every old stream at its
+// columns, which other blocks' slices hold, so x_prev must not be x, nor post and comb the previous ones.
 constexpr int kPreWarps = 9;  // a finisher combines on 8 warps, the 9th runs the Sinkhorn
 constexpr int kPreThreads = 32 * kPreWarps;
 constexpr int kPreCombiners = kPreThreads - 32;
@@ -297,11 +300,63 @@ __device__ __forceinline__ void load_cols(const T* p, float (&v)[W]) {
     }
 }
 
+// The previous sublayer's hc_post, applied by hc_pre_decode as it reads the streams (f null: none). chunks: x and f
+// allow load_cols of four columns and a four-column chunk never spans two streams.
+template <typename T>
+struct PrevPost {
+    const T* x;
+    const T* f;
+    const float* post;
+    const float* comb;
+    bool chunks;
+};
+
+// Columns k.. of token t of hc_post's output X'[t, j, c] = post[t, j] · f[t, c] + Σ_i comb[t, i, j] · X[t, i, c]
+// (flattened column k = j·D + c) in hc_post's float ops, rounded to T; warp 0 stores them to out.
+template <typename T, int HC, int W>
+__device__ __forceinline__ void post_cols(const PrevPost<T>& p, T* out, int t, int k, int dim, float (&v)[W]) {
+    const T* xt = p.x + static_cast<size_t>(t) * HC * dim;
+    const T* ft = p.f + static_cast<size_t>(t) * dim;
+    const float* pt = p.post + t * HC;
+    const float* ct = p.comb + t * HC * HC;
+    if (W == 1 || p.chunks) {
+        const int j = k / dim, c = k - j * dim;
+        float xs[HC][W], fv[W];
+        load_cols<T, W>(ft + c, fv);
+#pragma unroll
+        for (int i = 0; i < HC; ++i) load_cols<T, W>(xt + i * dim + c, xs[i]);
+#pragma unroll
+        for (int e = 0; e < W; ++e) {
+            float s = 0.f;
+#pragma unroll
+            for (int i = 0; i < HC; ++i) s += ct[i * HC + j] * xs[i][e];
+            v[e] = pt[j] * fv[e] + s;
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < W; ++e) {
+            const int j = (k + e) / dim, c = k + e - j * dim;
+            float s = 0.f;
+#pragma unroll
+            for (int i = 0; i < HC; ++i) s += ct[i * HC + j] * to_float(xt[i * dim + c]);
+            v[e] = pt[j] * to_float(ft[c]) + s;
+        }
+    }
+    Raw4<T> raw;
+    T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < W; ++i) e[i] = from_float<T>(v[i]), v[i] = to_float(e[i]);
+    if (threadIdx.x < 32) {
+        if constexpr (W == 1) out[static_cast<size_t>(t) * HC * dim + k] = e[0];
+        else *reinterpret_cast<Raw4<T>*>(out + static_cast<size_t>(t) * HC * dim + k) = raw;
+    }
+}
+
 // This lane's share of the columns [k0, k1) of the group's nb ≤ NT tokens (rows of K) against fn rows
 // warp + kPreWarps·i into acc[i·NT + t]; row R, one past fn's last, stands for the squares of x. W columns at a time.
-template <typename T, int R, int NT, int W, int N>
-__device__ __forceinline__ void project_slice(const T* x, const float* fn, int k0, int k1, int K, int nb,
-                                              float (&acc)[N]) {
+template <typename T, int HC, int R, int NT, int W, int N>
+__device__ __forceinline__ void project_slice(T* x, const PrevPost<T>& prev, const float* fn, int k0, int k1, int K,
+                                              int nb, float (&acc)[N]) {
     constexpr int SLOTS = N / NT;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const bool last_row = warp < R % kPreWarps, squares = warp == R % kPreWarps;  // the last slot's role here
@@ -315,7 +370,8 @@ __device__ __forceinline__ void project_slice(const T* x, const float* fn, int k
         for (int t = 0; t < NT; ++t) {
             if (t >= nb) break;
             float xv[W];
-            load_cols<T, W>(x + static_cast<size_t>(t) * K + k, xv);
+            if (prev.f != nullptr) post_cols<T, HC, W>(prev, x, t, k, K / HC, xv);
+            else load_cols<T, W>(x + static_cast<size_t>(t) * K + k, xv);
 #pragma unroll
             for (int i = 0; i < SLOTS; ++i)
                 if (i < SLOTS - 1 || last_row || squares)
@@ -456,7 +512,8 @@ __device__ __forceinline__ void store_rounded(T* p, float (&v)[W]) {
 __device__ __forceinline__ void combiners_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kPreCombiners) : "memory"); }
 
 // This combining thread's first kPreKeep chunks of W columns (chunk c goes to thread c mod kPreCombiners): those of
-// every stream of token row xt into xr and, with norm_w, their weights into wr.
+// every stream of token row xt into xr and, with norm_w, their weights into wr. Streams come from L2: with a fused
+// post other blocks wrote them in this launch.
 template <typename T, int HC, int W>
 __device__ __forceinline__ void load_kept(typename ChunkOf<T, W>::type (&xr)[kPreKeep][HC], float (&wr)[kPreKeep][W],
                                           const T* xt, const float* norm_w, int dim) {
@@ -466,7 +523,7 @@ __device__ __forceinline__ void load_kept(typename ChunkOf<T, W>::type (&xr)[kPr
         const int c = threadIdx.x + kPreCombiners * i;
         if (c >= dim / W) break;
 #pragma unroll
-        for (int j = 0; j < HC; ++j) xr[i][j] = *reinterpret_cast<const Chunk*>(xt + j * dim + c * W);
+        for (int j = 0; j < HC; ++j) xr[i][j] = __ldcg(reinterpret_cast<const Chunk*>(xt + j * dim + c * W));
         if (norm_w != nullptr) load_f32(norm_w + c * W, wr[i]);
     }
 }
@@ -503,7 +560,7 @@ __device__ __forceinline__ void combine_norm(T* u, T* xn, const T* xt, const flo
 #pragma unroll
         for (int j = 0; j < HC; ++j) {
             float xj[W];
-            unpack<T, W>(*reinterpret_cast<const Chunk*>(xt + j * dim + c * W), xj);
+            unpack<T, W>(__ldcg(reinterpret_cast<const Chunk*>(xt + j * dim + c * W)), xj);
 #pragma unroll
             for (int e = 0; e < W; ++e) a[e] += pre[j] * xj[e];
         }
@@ -538,11 +595,12 @@ __device__ __forceinline__ void combine_norm(T* u, T* xn, const T* xt, const flo
 }
 
 // A finisher's part of hc_pre_decode: tokens role, role + finishers, ... of the batch. params holds base then scale.
-// Rows of 16-byte chunks (vec) have theirs loaded while the finisher waits; other rows go element by element.
+// Rows of 16-byte chunks (vec) have theirs loaded while the finisher waits, unless the other blocks write them (fused);
+// other rows go element by element.
 template <typename T, int HC>
-__device__ __forceinline__ void finish(int role, int finishers, bool last, int blocks, bool vec, T* u, float* post,
-                                       float* comb, const T* x, const float* params, int tokens, int dim, float eps,
-                                       float hc_eps, int iters, T* xn, const float* norm_w, float norm_eps,
+__device__ __forceinline__ void finish(int role, int finishers, bool last, int blocks, bool vec, bool fused, T* u,
+                                       float* post, float* comb, const T* x, const float* params, int tokens, int dim,
+                                       float eps, float hc_eps, int iters, T* xn, const float* norm_w, float norm_eps,
                                        unsigned* counters, const float* partial, int slices) {
     constexpr int R = (2 + HC) * HC, V = kVec<T>, BATCH = 16;  // BATCH: partial loads in flight per lane
     __shared__ float part[kPreWarps][32];
@@ -555,7 +613,7 @@ __device__ __forceinline__ void finish(int role, int finishers, bool last, int b
         const T* xt = x + static_cast<size_t>(t) * K;
         uint4 xr[kPreKeep][HC];
         float wr[kPreKeep][V];
-        if (vec && combines) load_kept<T, HC, V>(xr, wr, xt, norm_wr, dim);
+        if (vec && combines && !fused) load_kept<T, HC, V>(xr, wr, xt, norm_wr, dim);
         if (t == role) {
             if (tid == 0) {
                 if (!last)
@@ -565,6 +623,7 @@ __device__ __forceinline__ void finish(int role, int finishers, bool last, int b
             }
             __syncthreads();
         }
+        if (vec && combines && fused) load_kept<T, HC, V>(xr, wr, xt, norm_wr, dim);
         // v: warp w adds the partials of slices w, w + kPreWarps, ... in order, then the warps' sums add in order.
         float sum = 0.f;
         if (lane <= R) {
@@ -625,9 +684,10 @@ __device__ __forceinline__ void finish(int role, int finishers, bool last, int b
 
 template <typename T, int HC, int NT>
 __global__ void __launch_bounds__(kPreThreads, 1)
-    hc_pre_decode(T* u, float* post, float* comb, const T* x, const float* fn, const float* base, const float* scale,
+    hc_pre_decode(T* u, float* post, float* comb, T* x, const float* fn, const float* base, const float* scale,
                   int tokens, int dim, float eps, float hc_eps, int iters, T* xn, const float* norm_w, float norm_eps,
-                  unsigned* counters, float* partial, int cols, int finishers) {
+                  unsigned* counters, float* partial, int cols, int finishers, const T* x_prev, const T* f,
+                  const float* post_prev, const float* comb_prev) {
     constexpr int R = (2 + HC) * HC, N = (R + kPreWarps) / kPreWarps * NT;
     static_assert(R + 3 <= 32, "one warp loads base and scale");
     __shared__ float params[R + 3];  // base, then scale
@@ -640,11 +700,18 @@ __global__ void __launch_bounds__(kPreThreads, 1)
         for (int l = threadIdx.x; l < (dim + 31) / 32; l += kPreThreads)
             asm volatile("prefetch.L2 [%0];" ::"l"(norm_w + 32 * l));
     float acc[N] = {};
-    const T* xg = x + static_cast<size_t>(t0) * K;
-    if (K % 4 == 0 && aligned16(fn) && (reinterpret_cast<unsigned long long>(x) & (4 * sizeof(T) - 1)) == 0)
-        project_slice<T, R, NT, 4>(xg, fn, k0, k1, K, nb, acc);
+    T* xg = x + static_cast<size_t>(t0) * K;
+    const auto raw4 = [](const void* p) {  // four columns' alignment
+        return (reinterpret_cast<unsigned long long>(p) & (4 * sizeof(T) - 1)) == 0;
+    };
+    PrevPost<T> prev{};
+    if (f != nullptr)
+        prev = {x_prev + static_cast<size_t>(t0) * K, f + static_cast<size_t>(t0) * dim, post_prev + t0 * HC,
+                comb_prev + t0 * HC * HC, dim % 4 == 0 && raw4(x_prev) && raw4(f)};
+    if (K % 4 == 0 && aligned16(fn) && raw4(x))
+        project_slice<T, HC, R, NT, 4>(xg, prev, fn, k0, k1, K, nb, acc);
     else
-        project_slice<T, R, NT, 1>(xg, fn, k0, k1, K, nb, acc);
+        project_slice<T, HC, R, NT, 1>(xg, prev, fn, k0, k1, K, nb, acc);
     // partial [T][slices][R + 1]: each token's sums over each slice, fn's rows then the squares.
     warp_fold<N>(acc);
     const int first = fold_index<N>();
@@ -667,8 +734,8 @@ __global__ void __launch_bounds__(kPreThreads, 1)
     const bool last = ticket == blocks - 1;
     const bool vec = dim % kVec<T> == 0 && aligned16(x) && aligned16(u) &&
                      (xn == nullptr || (aligned16(xn) && aligned16(norm_w)));
-    finish<T, HC>(role, finishers, last, blocks, vec, u, post, comb, x, params, tokens, dim, eps, hc_eps, iters, xn,
-                  norm_w, norm_eps, counters, partial, slices);
+    finish<T, HC>(role, finishers, last, blocks, vec, f != nullptr, u, post, comb, x, params, tokens, dim, eps, hc_eps,
+                  iters, xn, norm_w, norm_eps, counters, partial, slices);
 }
 
 // Final head: y [T, D] = Σ_j (sigmoid(scale·v_j + base_j) + hc_eps) X_j.

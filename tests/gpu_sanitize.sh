@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # compute-sanitizer over the kernel tests at their small sizes (the sanitizer runs them 10-100x
 # slower), one process per test file. Run on a GPU machine from the repository root:
-#   bash tests/gpu_sanitize.sh
+#   bash tests/gpu_sanitize.sh [test_k_attention ...]     (default: every kernel test file)
 # racecheck reports shared-memory hazards inside cuBLAS's own nvjet GEMM kernels, which we can neither
 # see nor change, and excluding them by name (--kernel-name-exclude) makes the sanitizer fail with an
 # internal error once they run; so it checks every kernel and only hazards in other kernels fail here.
@@ -9,8 +9,9 @@ set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 small="tiny or odd or small or ties or greedy or embed or (1-2-64) or (7-2-64) or rmsnorm or graph or act_quant"
 small+=" or (normed_input and not 600) or exact_cases or gathers_rows"
-files=(test_k_attention test_k_hc test_k_compress test_k_moe test_k_sample test_k_gemm test_gpu_runtime test_k_fp8
-       test_k_moe_prefill test_k_kv_fp8 test_k_moe_fp4)
+files=(test_k_attention test_k_attention_mqa test_k_hc test_k_compress test_k_indexer_fp4 test_k_moe test_k_sample
+       test_k_gemm test_k_gemm_fp8 test_gpu_runtime test_k_fp8 test_k_moe_prefill test_k_kv_fp8 test_k_moe_fp4)
+[ $# -gt 0 ] && files=("$@")
 log=$(mktemp)
 status=0
 for f in "${files[@]}"; do

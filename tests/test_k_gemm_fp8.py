@@ -1,12 +1,15 @@
 """cuda_src/gemm_fp8.cu, the prefill fp8 GEMM (wgmma and TMA, sm_90a): against the faithful linear layer (numpy on
 the dequantised weight, reference.quant.act_quant on its input) at Flash and small shapes, both block heights, in a
-replayed graph; and, without a GPU, that its SASS runs on the tensor cores' GMMA instructions."""
+replayed graph; and, without a GPU, that its SASS runs on the tensor cores' GMMA instructions. Also linear_fp8's
+choice between it and fp8.skinny_gemm: Hopper's e4m3 wgmma keeps 13 mantissa bits of its sums, so only bf16 outputs
+take it, and a float32 build's fp8 linear layers match the reference's fp32 sums (the "mid" model's widths)."""
 import functools
 import importlib.util
 import re
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
@@ -89,6 +92,41 @@ def test_act_quant_then_prefill_gemm_in_a_replayed_graph(rt, dev, dtype):
         graph.replay()
         assert rel_rows(fetch(rt, dy, (m, n), np.float32), quant.act_quant(x) @ w.T).max() < 1e-2
     graph.close()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["float32", "bf16"])
+@pytest.mark.parametrize("n, k", SMALL)
+@pytest.mark.parametrize("m", [17, 300])
+def test_linear_fp8_at_the_mid_models_widths(rt, dev, m, n, k, dtype):
+    """act_quant then the GEMM linear_fp8 picks, at tests/test_gpu_faithful.py's "mid" widths: float32 within fp32
+    summation noise of the float64 sums (the wgmma kernel's 13-bit sums sit ~4e-4 off), bf16 within its rounding."""
+    from dsv4rt.model import fp8
+    from dsv4rt.model.linear_fp8 import linear_fp8
+    wq, ws, w = fp8_weight(n, k)
+    x = activations(m, k).astype(dtype)
+    dq, ds = dev(np.zeros((m, k), np.uint8)), dev(np.zeros((m, fp8.scale_columns(k)), np.uint8))
+    dy = dev(np.full((m, n), np.nan, dtype))
+    linear_fp8(rt.device, dtype, dev(x).ptr, dev(wq).ptr, dev(ws).ptr, dy.ptr, m, n, k, xq=dq.ptr, xs=ds.ptr)(
+        rt.stream)
+    want = quant.act_quant(x.astype(np.float32)).astype(np.float64) @ w.T.astype(np.float64)
+    err = rel_rows(fetch(rt, dy, (m, n), dtype).astype(np.float32), want).max()
+    assert err < (1e-5 if dtype == np.float32 else 1e-2), err
+
+
+def test_float32_outputs_take_the_cuda_core_gemm(monkeypatch):
+    from dsv4rt.model import fp8, gemm_fp8, linear_fp8
+    monkeypatch.setattr(gemm_fp8, "fp8_gemm", lambda *args: "wgmma")
+    monkeypatch.setattr(fp8, "skinny_gemm", lambda *args: "skinny")
+
+    def chosen(arch, dtype, m, n, k):
+        return linear_fp8.fp8_gemm(SimpleNamespace(arch=arch), dtype, 0, 0, 0, 0, 0, m, n, k)
+    assert chosen("sm_90a", BF16, 300, 256, 128) == "wgmma"
+    assert chosen("sm_90a", BF16, 17, 128, 256) == "wgmma"
+    assert chosen("sm_90a", np.float32, 300, 256, 128) == "skinny"
+    assert chosen("sm_90a", BF16, 16, 256, 128) == "skinny"
+    assert chosen("sm_90a", BF16, 300, 200, 128) == "skinny"
+    assert chosen("sm_90", BF16, 300, 256, 128) == "skinny"
 
 
 @pytest.mark.parametrize("n, k", [(200, 128), (128, 200), (128, 64), (0, 128)])

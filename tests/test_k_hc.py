@@ -154,6 +154,61 @@ def test_pre_decode_is_deterministic_replays_and_leaves_its_counters_at_zero(rt,
         graph.close()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, dim", [(1, 4096), (7, 4096), (64, 4096), (1, 101), (7, 101), (64, 101), (7, 100)])
+def test_pre_fuses_the_previous_post_bit_for_bit(rt, dev, dtype, tokens, dim):
+    """pre with fused_post (new streams into another buffer) equals post in place then pre: the streams, u, xn, post
+    and comb, bit for bit. Dims 101 and 100: four-column chunks that span two streams, element-wise rows."""
+    from dsv4rt.model import hc as k
+    hc = 4
+    rng = np.random.default_rng(tokens * 3 + dim)
+    x = streams(rng, tokens, hc, dim, dtype)
+    f = rng.standard_normal((tokens, dim), dtype=np.float32).astype(dtype)
+    post_prev = (2 / (1 + np.exp(-rng.standard_normal((tokens, hc))))).astype(np.float32)
+    comb_prev = rng.uniform(0, 2 / hc, (tokens, hc, hc)).astype(np.float32)
+    fn, base, scale = mixing(rng, (2 + hc) * hc, hc, dim, 3)
+    params = [dev(a).ptr for a in (fn, base, scale)]
+    prev = [dev(a).ptr for a in (f, post_prev, comb_prev)]
+    w = dev(rng.uniform(0.5, 1.5, dim).astype(np.float32))
+
+    def run(fused: bool):
+        x_old = dev(x)
+        dx = dev(poison(x.shape, dtype)) if fused else x_old
+        outs = [dev(poison(shape, t)) for shape, t in [((tokens, dim), dtype), ((tokens, dim), dtype),
+                                                         ((tokens, hc), np.float32), ((tokens, hc, hc), np.float32)]]
+        if not fused:
+            k.post(rt.device, dtype, dx.ptr, dx.ptr, *prev, tokens, hc, dim)(rt.stream)
+        k.pre(rt.device, dtype, outs[0].ptr, outs[2].ptr, outs[3].ptr, dx.ptr, *params, tokens, hc, dim, EPS, HC_EPS,
+              ITERS, xn=outs[1].ptr, norm=w.ptr, norm_eps=EPS, workspace=workspace(dev, tokens, hc, dim).ptr,
+              fused_post=(x_old.ptr, *prev) if fused else None)(rt.stream)
+        rt.stream.synchronize()
+        return [b.copy_to_host(np.empty(b.nbytes, np.uint8)) for b in (dx, *outs)]
+
+    want, got = run(False), run(True)
+    ref = HyperConnection.post(x.astype(np.float32), f.astype(np.float32), post_prev, comb_prev)
+    assert rel_rows(want[0].view(dtype).reshape(x.shape).astype(np.float32), ref).max() < out_tol(dtype)
+    for name, a, b in zip(("X", "u", "xn", "post", "comb"), want, got):
+        assert np.array_equal(a, b), name
+
+
+def test_pre_fused_post_argument_checks():
+    """fused_post only on decode batches, and only out of place (no GPU needed: checked before any kernel)."""
+    from types import SimpleNamespace
+    from dsv4rt.model import hc as k
+    device = SimpleNamespace(sm_count=132)
+    u, post, comb, x = 1, 2, 3, 4
+
+    def pre(tokens, fused):
+        return k.pre(device, BF16, u, post, comb, x, 5, 6, 7, tokens, 4, 4096, EPS, HC_EPS, ITERS, workspace=8,
+                     fused_post=fused)
+
+    with pytest.raises(ValueError, match="decode batch"):
+        pre(k.decode_tokens(device) + 1, (9, 10, 11, 12))
+    for fused in [(x, 10, 11, 12), (9, 10, post, 12), (9, 10, 11, comb)]:
+        with pytest.raises(ValueError, match="other buffers"):
+            pre(1, fused)
+
+
 @pytest.mark.parametrize("iters", [0, 1, 2, 5])
 def test_pre_sinkhorn_iteration_counts(rt, dev, iters):
     got, ref, _ = run_pre(rt, dev, np.float32, 9, 4, 64, iters, iters)

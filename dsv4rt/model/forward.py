@@ -141,21 +141,25 @@ class GpuModel:
         quantized = {f"{x}_{part}": T * (k if part == "q" else fp8.scale_columns(k))
                      for x, k in widths.items() for part in ("q", "s")}
         self.inputs = StepInputs(T)
+        fused = min(T, hc_k.decode_tokens(self.rt.device))  # rows of the second streams, post and comb (_hc_pre)
         self.ws = Workspace(self.rt.arena, dict(
             inputs=self.inputs.nbytes, X=T * c.hc_mult * D * s, u=T * D * s, xn=T * D * s,
-            post=T * c.hc_mult * 4, comb=T * c.hc_mult ** 2 * 4, qa=T * c.q_lora_rank * s, qr=T * c.q_lora_rank * s,
-            q=T * c.num_heads * hd * s, kv=T * hd * s, a=T * 2 * hd * 4, z=T * 2 * hd * 4,
+            post=T * c.hc_mult * 4, comb=T * c.hc_mult ** 2 * 4, X_b=fused * c.hc_mult * D * s,
+            post_b=fused * c.hc_mult * 4, comb_b=fused * c.hc_mult ** 2 * 4, qa=T * c.q_lora_rank * s,
+            qr=T * c.q_lora_rank * s, q=T * c.num_heads * hd * s, kv=T * hd * s, a=T * 2 * hd * 4, z=T * 2 * hd * 4,
             ia=T * 2 * c.index_head_dim * 4, iz=T * 2 * c.index_head_dim * 4,
             iq=T * c.index_n_heads * c.index_head_dim * s, iw=T * c.index_n_heads * 4, scores=T * n_max * 4,
             selected=T * c.index_topk * 4, o=T * c.num_heads * hd * s, t=T * c.o_groups * c.o_lora_rank * s,
             f=T * D * s, y=T * D * s, logits=T * c.vocab_size * 4, moe=moe_bytes, **quantized,
             hc_pre=hc_k.pre_workspace_bytes(T, c.hc_mult, D),
-            att=max(attn_k.attention_workspace_bytes(t, c.num_heads, hd, self._splits(i, t))  # splits = 1 beyond
-                    for t in range(1, min(T, 2 * self.rt.device.sm_count) + 1)    # 2·sm_count rows
-                    for i in {(k, r): i for i, (k, r) in enumerate(zip(c.kinds, c.ratios))}.values())))
+            att=max(attn_k.COUNTER_BYTES, *(attn_k.attention_workspace_bytes(t, c.num_heads, hd, self._splits(i, t))
+                    for t in range(1, min(T, 2 * self.rt.device.sm_count) + 1)    # splits = 1 beyond 2·sm_count rows
+                    for i in {(k, r): i for i, (k, r) in enumerate(zip(c.kinds, c.ratios))}.values()))))
         self.ws.ptr.update(self.inputs.pointers(self.ws["inputs"]))
         zeros = np.zeros(hc_k.pre_workspace_bytes(T, c.hc_mult, D), np.uint8)   # hc_pre's counters start at zero
         self.ws.buffer.copy_from_host(zeros, self.rt.stream, offset=self.ws["hc_pre"] - self.ws.buffer.ptr)
+        zeros = np.zeros(attn_k.COUNTER_BYTES, np.uint8)   # sparse_attention_mqa's counters start at zero
+        self.ws.buffer.copy_from_host(zeros, self.rt.stream, offset=self.ws["att"] - self.ws.buffer.ptr)
         self.n_max = n_max
 
     def _splits(self, i: int, T: int) -> int:
@@ -208,9 +212,11 @@ class GpuModel:
         for entry, _ in self._steps(ids):
             T = self.upload([entry])
             x = np.ascontiguousarray(streams[entry.start:entry.start + T]).astype(self.dtype)
+            self._hc_reset()
             self.ws.buffer.copy_from_host(x, self.rt.stream, offset=self.ws["X"] - self.ws.buffer.ptr)
             self.layer(i, T)
-            out.append(self.read("X", x.shape, self.dtype).astype(np.float32))
+            self._hc_flush(T)
+            out.append(self.read(self.streams, x.shape, self.dtype).astype(np.float32))
         self.reset()
         return np.concatenate(out)
 
@@ -241,10 +247,12 @@ class GpuModel:
     def launch(self, T: int, n_out: int, sample: bool):
         """The whole step's launches for T rows, the head on n_out gathered rows; no host synchronisation."""
         c, ws, st = self.cfg, self.ws, self.rt.stream
+        self._hc_reset()
         hc_k.embed(self.rt.device, self.dtype, ws["X"], ws["ids"], self.w["embed.weight"].ptr, T, c.vocab_size,
                    c.hc_mult, c.hidden_size)(st)
         for i in range(c.num_layers):
             self.layer(i, T)
+        self._hc_flush(T)
         self.head(T, n_out)
         if sample:
             sample_k.sample(self.rt.device, ws["tokens"], ws["logits"], n_out, c.vocab_size, ws["temperature"],
@@ -256,7 +264,7 @@ class GpuModel:
         return self.ws.buffer.copy_to_host(out, offset=self.ws[name] - self.ws.buffer.ptr)
 
     def layer(self, i: int, T: int):
-        """Block i on the streams in ws["X"] (in place)."""
+        """Block i on the streams in ws[self.streams]; its last hc_post may be left to the next _hc_pre (_hc_post)."""
         c, ws, st, dev, dt, W = self.cfg, self.ws, self.rt.stream, self.rt.device, self.dtype, self.w
         p = f"layers.{i}."
         self._hc_pre(p + "hc_attn", p + "attn_norm.weight", T)
@@ -350,20 +358,43 @@ class GpuModel:
                              width=width, ratio=ratio, overlap=overlap, rope_dim=c.rope_dim, eps=c.eps,
                              **stored)(stream)
 
+    # The streams live in ws[self.streams] and the last hc_pre's post and comb in ws[self.mix]. On decode batches an
+    # hc_post is left pending and the next hc_pre applies it in its own launch (one launch less per sublayer); that
+    # writes the new streams to the other buffer and its post and comb to the other pair, since its blocks still
+    # read the old ones.
+    def _hc_reset(self):
+        self.streams, self.mix, self.post_pending = "X", ("post", "comb"), False
+
     def _hc_pre(self, hc: str, norm: str, T: int):
         c, ws, dev, W = self.cfg, self.ws, self.rt.device, self.w
-        hc_k.pre(dev, self.dtype, ws["u"], ws["post"], ws["comb"], ws["X"], W[hc + "_fn"].ptr, W[hc + "_base"].ptr,
-                 W[hc + "_scale"].ptr, T, c.hc_mult, c.hidden_size, c.eps, c.hc_eps, c.hc_iters, xn=ws["xn"],
-                 norm=W[norm].ptr, norm_eps=c.eps, workspace=ws["hc_pre"])(self.rt.stream)
+        fused = None
+        if self.post_pending:
+            fused = (ws[self.streams], ws["f"], *(ws[m] for m in self.mix))
+            self.streams = "X_b" if self.streams == "X" else "X"
+            self.mix = ("post_b", "comb_b") if self.mix[0] == "post" else ("post", "comb")
+            self.post_pending = False
+        hc_k.pre(dev, self.dtype, ws["u"], *(ws[m] for m in self.mix), ws[self.streams], W[hc + "_fn"].ptr,
+                 W[hc + "_base"].ptr, W[hc + "_scale"].ptr, T, c.hc_mult, c.hidden_size, c.eps, c.hc_eps, c.hc_iters,
+                 xn=ws["xn"], norm=W[norm].ptr, norm_eps=c.eps, workspace=ws["hc_pre"],
+                 fused_post=fused)(self.rt.stream)
 
     def _hc_post(self, T: int):
-        c, ws = self.cfg, self.ws
-        hc_k.post(self.rt.device, self.dtype, ws["X"], ws["X"], ws["f"], ws["post"], ws["comb"], T, c.hc_mult,
+        self.post_pending = True
+        if T > hc_k.decode_tokens(self.rt.device):
+            self._hc_flush(T)
+
+    def _hc_flush(self, T: int):
+        """The pending hc_post, where no hc_pre follows to apply it."""
+        if not self.post_pending:
+            return
+        c, ws, x = self.cfg, self.ws, self.ws[self.streams]
+        hc_k.post(self.rt.device, self.dtype, x, x, ws["f"], *(ws[m] for m in self.mix), T, c.hc_mult,
                   c.hidden_size)(self.rt.stream)
+        self.post_pending = False
 
     def head(self, T: int, n_out: int):
         c, ws, dev, W, st = self.cfg, self.ws, self.rt.device, self.w, self.rt.stream
-        hc_k.head(dev, self.dtype, ws["u"], ws["X"], W["hc_head_fn"].ptr, W["hc_head_base"].ptr,
+        hc_k.head(dev, self.dtype, ws["u"], ws[self.streams], W["hc_head_fn"].ptr, W["hc_head_base"].ptr,
                   W["hc_head_scale"].ptr, T, c.hc_mult, c.hidden_size, c.eps, c.hc_eps)(st)
         # the rows that need logits, gathered (the embedding kernel over a table of T rows)
         hc_k.embed(dev, self.dtype, ws["xn"], ws["out_rows"], ws["u"], n_out, T, 1, c.hidden_size)(st)

@@ -92,18 +92,33 @@ def pre_workspace_bytes(tokens: int, hc: int, dim: int) -> int:
     return COUNTER_BYTES + max((_partial_bytes(t, hc, dim) for t in range(1, tokens + 1)), default=0)
 
 
+def decode_tokens(device: Device) -> int:
+    """The largest batch `pre` takes hc_pre_decode for (and so can fuse the previous post into)."""
+    return TOK * device.sm_count
+
+
 def pre(device: Device, dtype, u: int, post: int, comb: int, x: int, fn: int, base: int, scale: int,
         tokens: int, hc: int, dim: int, eps: float, hc_eps: float, iters: int, *, xn: int = 0, norm: int = 0,
-        norm_eps: float = 0.0, workspace: int = 0) -> Launch | LaunchSequence:
+        norm_eps: float = 0.0, workspace: int = 0,
+        fused_post: tuple[int, int, int, int] | None = None) -> Launch | LaunchSequence:
     """u [T, D] = Σ_j pre_j X_j, post [T, hc], comb [T, hc, hc] from streams x [T, hc, D];
     fn [(2+hc)·hc, hc·D], base [(2+hc)·hc], scale [3]. With xn also xn [T, D] = RMSNorm(u) · norm
     (float32 [D]), inside the decode kernel or as a second launch. Decode batches need `workspace`:
-    pre_workspace_bytes(tokens, hc, dim) bytes or more, zeroed before its first use."""
+    pre_workspace_bytes(tokens, hc, dim) bytes or more, zeroed before its first use.
+    fused_post = (x_prev, f, post_prev, comb_prev), decode batches only: first x = post(x_prev, f, post_prev,
+    comb_prev) (what `post` would write), bit for bit, in the same launch. Out of place: x_prev is not x, and post,
+    comb are not post_prev, comb_prev (blocks still read the old ones while others write)."""
+    if fused_post is not None:
+        x_prev, _, post_prev, comb_prev = fused_post
+        if tokens > decode_tokens(device):
+            raise ValueError(f"fused_post needs a decode batch (at most {decode_tokens(device)} tokens), got {tokens}")
+        if x_prev == x or post_prev == post or comb_prev == comb:
+            raise ValueError("fused_post's streams, post and comb must be other buffers than x, post and comb")
     if tokens == 0:
         return _nothing
     args = _p(u, post, comb, x, fn, base, scale) + [ctypes.c_int(tokens), ctypes.c_int(dim), ctypes.c_float(eps),
                                                     ctypes.c_float(hc_eps), ctypes.c_int(iters)]
-    if -(-tokens // TOK) <= device.sm_count:
+    if tokens <= decode_tokens(device):
         # Decode: a block per TOK tokens would read all of fn (1.5 MB at Flash sizes) alone; about DECODE_BLOCKS
         # blocks share it instead, a slice each, and the last to finish theirs finish the tokens. Finishers wait for
         # the others, so fewer of them than SMs keeps an SM free for any block yet to start (H200, bf16 Flash,
@@ -113,7 +128,7 @@ def pre(device: Device, dtype, u: int, post: int, comb: int, x: int, fn: int, ba
         group, groups, slices, cols = _decode_grid(tokens, hc, dim)
         finishers = min(tokens, groups * slices, device.sm_count - 1)
         args += [*_p(xn, norm), ctypes.c_float(norm_eps), *_p(workspace, workspace + COUNTER_BYTES),
-                 ctypes.c_int(cols), ctypes.c_int(finishers)]
+                 ctypes.c_int(cols), ctypes.c_int(finishers), *_p(*(fused_post or (0, 0, 0, 0)))]
         return _kernel(device, "hc_pre_decode", dtype, hc, group).bind((slices, groups), DECODE_THREADS, args)
     g = _groups(device, tokens)
     launch = _kernel(device, "hc_pre", dtype, hc).bind(-(-tokens // (g * TOK)), (THREADS // g, g), args)

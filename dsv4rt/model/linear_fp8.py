@@ -1,12 +1,14 @@
 """The faithful-mode linear layer of a weight stored in fp8 (MODEL.md section 9; twin: reference.ops.Linear with
 act_quant on the dequantised weight): act_quant of the input, then the fp8 GEMM on the checkpoint's e4m3 weight
-and e8m0 block scales. Decode batches and shapes off the 128 grid take fp8.skinny_gemm; prefill batches on
-sm_90a the wgmma kernel of gemm_fp8.
+and e8m0 block scales. Decode batches, shapes off the 128 grid and float32 outputs take fp8.skinny_gemm; bf16
+prefill batches on sm_90a the wgmma kernel of gemm_fp8.
 
 Also which weights the faithful GPU build reads as stored (released_formats)."""
 from __future__ import annotations
 
 import re
+
+import numpy as np
 
 from ..cuda.device import Device, Launch
 from ..loader import Checkpoint, expected_shapes
@@ -21,9 +23,12 @@ _SHARED = re.compile(r"\.ffn\.shared_experts\.w[123]\.weight$")
 
 def fp8_gemm(device: Device, out_dtype, y: int, xq: int, xs: int, w: int, w_scale: int, m: int, n: int,
              k: int) -> Launch:
-    """y [m, n] = dequant(xq, xs) · dequant(w, w_scale)ᵀ (operands as fp8.skinny_gemm takes them)."""
+    """y [m, n] = dequant(xq, xs) · dequant(w, w_scale)ᵀ (operands as fp8.skinny_gemm takes them). Hopper's e4m3
+    tensor cores keep 13 mantissa bits of each wgmma's sum (as in the official code's own fp8 GEMM): a 128-column
+    block comes out ~4e-4 off, below a bf16 output's rounding but enough to flip later act_quant roundings of a
+    float32 build, whose layers match the reference's fp32 sums to 1e-4 only on the CUDA cores."""
     tiled = n % gemm_fp8.TILE_N == 0 and k % fp8.BLOCK == 0 and device.arch == gemm_fp8.ARCH
-    if m > SKINNY_ROWS and tiled:
+    if m > SKINNY_ROWS and tiled and np.dtype(out_dtype) != np.float32:
         return gemm_fp8.fp8_gemm(device, xq, xs, w, w_scale, y, m, n, k, out_dtype)
     return fp8.skinny_gemm(device, out_dtype, y, xq, xs, w, w_scale, m, n, k)
 
