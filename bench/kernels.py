@@ -278,16 +278,19 @@ def per_context(b: Bench, B: int, C: int):
                                       top_k=TOPK if chosen else 0, splits=splits, workspace=ws.ptr)
         b.record(f"attention decode {mode}", B, C, run, B * keys * HD * T + 2 * B * H * HD * T,
                  4 * B * H * keys * HD)
-        # The tensor-core kernel (merging its splits itself) at its own splits; at batch 1 also other splits, to
-        # tune attention_mqa_splits.
+        # The tensor-core kernel at its own splits (with attention_combine, then alone); at batch 1 also other
+        # splits, to tune attention_mqa_splits.
         default = attn_k.attention_mqa_splits(B, H, keys, b.dev.sm_count)
         for z in sorted({default, *((1, 5, 10, 20, 40) if B == 1 and mode == "c4a" else ())}):
-            ws = b.host(np.zeros(max(16, attn_k.attention_workspace_bytes(B, H, HD, z)), np.uint8))  # zero counters
+            ws = b.rt.arena.alloc(max(16, attn_k.attention_workspace_bytes(B, H, HD, z)))
             run = attn_k.sparse_attention_mqa(b.dev, BF16, o.ptr, q.ptr, pos.ptr, req.ptr, sink.ptr, inv.ptr, window,
                                               cache, chosen, rows=B, heads=H, head_dim=HD, rope_dim=RD, window_size=W,
                                               ratio=ratio, top_k=TOPK if chosen else 0, splits=z, workspace=ws.ptr)
             name = f"attention mqa decode {mode}" + ("" if z == default else f" splits={z}")
             b.record(name, B, C, run, B * keys * HD * T + 2 * B * H * HD * T, 4 * B * H * keys * HD)
+            if z > 1 and z == default:
+                b.record(name + " kernel", B, C, run.launches[0], B * keys * HD * T + B * H * HD * T,
+                         4 * B * H * keys * HD)
             ws.free()
     keys_cache, _ = paged(b, B, n4, 64, DI * T)
     qi, wi = b.buf(B * NI * DI * T), b.host(rng.standard_normal((B, NI)).astype(np.float32))

@@ -39,84 +39,15 @@ __device__ __forceinline__ unsigned e4m3x2_bf16x2(unsigned codes, float s) {
     return bf16x2(v.x * s, v.y * s);
 }
 
-// attention_combine (attention.cu) for heads·hd element row·hd + d0 .. + 3 (lane's 4 of a warp's 128 dims), op for
-// op, so that the merge inside sparse_attention_mqa gives the bits of the former second launch. Partials are read
-// from L2: other blocks wrote them during this launch.
-__device__ __forceinline__ void combine_quarter(__nv_bfloat16* out, const float* part_o, const float2* part_ml,
-                                                float sink, int pos, const float* inv_freq, long long row, int d0,
-                                                int hd, int rd, int splits, int lane) {
-    const float2* ml = part_ml + row * splits;
-    float top = sink;
-    for (int z = lane; z < splits; z += 32) top = fmaxf(top, __ldcg(ml + z).x);
-    top = warp_max(top);
-    float l = 0.f;
-    for (int z = lane; z < splits; z += 32) {
-        const float2 m = __ldcg(ml + z);
-        l += m.y == 0.f ? 0.f : m.y * expf(m.x - top);
-    }
-    l = warp_sum(l) + expf(sink - top);
-    if (d0 >= hd) return;
-    float o[4] = {};
-#pragma unroll 4
-    for (int z = 0; z < splits; ++z) {
-        const float2 m = __ldcg(ml + z);
-        if (m.y == 0.f) continue;  // an empty split left its partial sum unwritten
-        const float a = expf(m.x - top);
-        const float4 p = __ldcg(reinterpret_cast<const float4*>(part_o + (row * splits + z) * hd + d0));
-        o[0] += a * p.x, o[1] += a * p.y, o[2] += a * p.z, o[3] += a * p.w;
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[e] /= l;
-    rope_chunk(o, d0, hd, rd, pos, inv_freq, true);
-    *reinterpret_cast<uint2*>(out + row * hd + d0) = make_uint2(bf16x2(o[0], o[1]), bf16x2(o[2], o[3]));
-}
-
-// After a block's partials: the last `finishers` of the gridDim.z blocks of (row t, head block) to be done merge
-// all splits of its heads, a warp per (head, 128 dims), in turns. counters[0] counts the blocks done, counters[1]
-// the finishers past the wait for all of them; both are zero before a launch and the last finisher zeroes them
-// again (graph replays). Only finishers wait, fewer in the whole grid than SMs (the launcher's choice), so the
-// blocks they wait for always find one.
-__device__ __forceinline__ void merge_splits(__nv_bfloat16* out, const float* part_o, const float2* part_ml,
-                                             unsigned* counters, int finishers, const float* sink,
-                                             const float* inv_freq, int t, int h0, int block_heads, int heads, int hd,
-                                             int rd, int pos) {
-    __shared__ unsigned ticket;
-    const unsigned splits = gridDim.z;
-    counters += 2 * (static_cast<long long>(t) * gridDim.y + blockIdx.y);
-    __threadfence();  // this block's partials before its count
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        ticket = atomicAdd(counters, 1u);
-        if (ticket + finishers >= splits) {
-            while (*reinterpret_cast<volatile unsigned*>(counters) < splits) {}
-            __threadfence();
-        }
-    }
-    __syncthreads();
-    const int role = static_cast<int>(ticket + finishers - splits), quarters = (hd + 127) / 128;
-    if (role < 0) return;
-    const int lane = threadIdx.x & 31;
-    for (int item = role * kMqaWarps + (threadIdx.x >> 5); item < block_heads * quarters;
-         item += finishers * kMqaWarps) {
-        const int h = h0 + item / quarters;
-        combine_quarter(out, part_o, part_ml, sink[h], pos, inv_freq, static_cast<long long>(t) * heads + h,
-                        item % quarters * 128 + 4 * lane, hd, rd, splits, lane);
-    }
-    if (threadIdx.x == 0 && atomicAdd(counters + 1, 1u) == static_cast<unsigned>(finishers - 1))
-        counters[0] = counters[1] = 0;
-}
-
-// Arguments and outputs as sparse_attention<T, Fp8Kv> (attention.cu), T = __nv_bfloat16, hd a multiple of 16,
-// except that with splits > 1 the blocks merge their partials themselves (merge_splits): counters holds two zeroed
-// unsigned per (row, head block).
+// Arguments and outputs as sparse_attention<T, Fp8Kv> (attention.cu), T = __nv_bfloat16, hd a multiple of 16.
 // grid (rows, ceil(heads / kMqaHeads), splits), block kMqaWarps * 32, dynamic shared memory
 // (kMqaHeads + (Fp8Kv ? 1 : 2) * kMqaKeys) * (hd + 8) * 2 + kMqaWarps * kMqaKeys * 64
 // + (Fp8Kv ? 2 * kMqaKeys * kv_fp8_bytes(hd, rd) : 0): q rows, bf16 key tiles (two in flight; Fp8Kv: one,
 // dequantised from two encoded ones in flight), the partial scores the partners swap.
 template <typename T, bool Fp8Kv = false>
 __global__ void __launch_bounds__(kMqaWarps * 32, 1)
-sparse_attention_mqa(T* out, float* part_o, float2* part_ml, unsigned* counters, int finishers, const T* q,
-                     const int* positions, const int* req, const float* sink, const float* inv_freq,
+sparse_attention_mqa(T* out, float* part_o, float2* part_ml, const T* q, const int* positions, const int* req,
+                     const float* sink, const float* inv_freq,
                      const char* win_base, const long long* win_pages, const int* win_start, int win_per_page,
                      int win_bytes, const char* cmp_base, const long long* cmp_pages, const int* cmp_start,
                      int cmp_per_page, int cmp_bytes,
@@ -140,17 +71,14 @@ sparse_attention_mqa(T* out, float* part_o, float2* part_ml, unsigned* counters,
     const int k_begin = span.x, k_end = span.y, n_tiles = (k_end - k_begin + TILE - 1) / TILE;
     const int block_heads = min(kMqaHeads, heads - h0), chunks = hd / 8;
     const bool split = part_o != nullptr;
-    if (n_tiles == 0) {  // no key: zeros, or empty partials (the merge reads no sum of theirs)
+    if (n_tiles == 0) {  // no key: zeros, or empty partials (attention_combine reads no sum of theirs)
         const long long row0 = static_cast<long long>(t) * heads + h0;
-        if (split) {
+        if (split)
             for (int i = threadIdx.x; i < block_heads; i += blockDim.x)
                 part_ml[(row0 + i) * gridDim.z + blockIdx.z] = make_float2(neg_inf(), 0.f);
-            merge_splits(out, part_o, part_ml, counters, finishers, sink, inv_freq, t, h0, block_heads, heads, hd,
-                         rd, m);
-        } else {
+        else
             for (int i = threadIdx.x; i < block_heads * chunks; i += blockDim.x)
                 reinterpret_cast<uint4*>(out + row0 * hd)[i] = make_uint4(0, 0, 0, 0);
-        }
         return;
     }
 
@@ -312,7 +240,9 @@ sparse_attention_mqa(T* out, float* part_o, float2* part_ml, unsigned* counters,
             }
         }
     }
-    // o[i][n]: heads g, g + 8 × dims 16·slice + 8n + 2·l4, +1 (a strip of padding heads has none).
+    if (!busy) return;
+
+    // o[i][n]: heads g, g + 8 × dims 16·slice + 8n + 2·l4, +1.
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
@@ -323,7 +253,7 @@ sparse_attention_mqa(T* out, float* part_o, float2* part_ml, unsigned* counters,
         if (split) {
             const long long part = row * gridDim.z + blockIdx.z;
             if (pair == 0 && l4 == 0) part_ml[part] = make_float2(mx[i], l[i]);
-            if (l[i] == 0.f) continue;  // no key: the merge reads no partial sum
+            if (l[i] == 0.f) continue;  // no key: attention_combine reads no partial sum
 #pragma unroll
             for (int j = 0; j < SL; ++j) {
                 const int slice = 2 * j + pair;
@@ -349,7 +279,4 @@ sparse_attention_mqa(T* out, float* part_o, float2* part_ml, unsigned* counters,
             }
         }
     }
-    if (split)
-        merge_splits(out, part_o, part_ml, counters, finishers, sink, inv_freq, t, h0, block_heads, heads, hd, rd,
-                     m);
 }

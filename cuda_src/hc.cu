@@ -509,8 +509,6 @@ __device__ __forceinline__ void store_rounded(T* p, float (&v)[W]) {
     *reinterpret_cast<typename ChunkOf<T, W>::type*>(p) = raw;
 }
 
-__device__ __forceinline__ void combiners_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kPreCombiners) : "memory"); }
-
 // This combining thread's first kPreKeep chunks of W columns (chunk c goes to thread c mod kPreCombiners): those of
 // every stream of token row xt into xr and, with norm_w, their weights into wr. Streams come from L2: with a fused
 // post other blocks wrote them in this launch.
@@ -571,7 +569,7 @@ __device__ __forceinline__ void combine_norm(T* u, T* xn, const T* xt, const flo
     if (xn == nullptr) return;
     ss = warp_sum(ss);
     if ((tid & 31) == 0) warp_sq[tid >> 5] = ss;
-    combiners_sync();
+    __syncthreads();  // the finisher's last warp meets it in finish (a whole-block barrier: racecheck models those)
     ss = 0.f;
 #pragma unroll
     for (int w = 0; w < kPreCombiners / 32; ++w) ss += warp_sq[w];
@@ -649,6 +647,7 @@ __device__ __forceinline__ void finish(int role, int finishers, bool last, int b
         }
         __syncthreads();
         if (!combines) {
+            if (xn != nullptr) __syncthreads();  // combine_norm's barrier, before the Sinkhorn so that they overlap
             if (lane < HC) {
                 const float p = params[R + 1] * v[HC + lane] + params[HC + lane];
                 post[static_cast<size_t>(t) * HC + lane] = 2.f * sigmoid(p);

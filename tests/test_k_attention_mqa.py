@@ -9,8 +9,8 @@ import pytest
 from conftest import rel_rows
 from test_k_attention import (DECODE_LENGTHS, MODES, PADDING_POSITION, SIZES, PagedHost, compressed_cache, inv_freq,
                               nan_poison, reference_attention, rounded, window_cache)
-from dsv4rt.model.attention import (COUNTER_BYTES, attention_combine, attention_mqa_shared_bytes, attention_mqa_splits,
-                                    attention_workspace_bytes, sparse_attention, sparse_attention_mqa)
+from dsv4rt.model.attention import (attention_mqa_shared_bytes, attention_mqa_splits, attention_workspace_bytes,
+                                    sparse_attention, sparse_attention_mqa)
 from dsv4rt.model.paged import PagedCache
 from dsv4rt.reference.attention import Attention
 from dsv4rt.reference.ops import Rope
@@ -25,31 +25,17 @@ SPLITS = [1, 3, 64]  # 64: more splits than key tiles, so that some blocks hold 
 MAX_SHARED = 227 * 1024  # an H100/H200 block's dynamic shared memory at most
 
 
-def workspace(dev, rows, heads, hd, splits):
-    """A workspace of zero counters and NaN partials (what attention_combine must not read)."""
-    work = np.full(max(attention_workspace_bytes(rows, heads, hd, splits), 16), 0xFF, np.uint8)
-    work[:COUNTER_BYTES] = 0
-    return dev(work)
-
-
-def counters(work):
-    return work.copy_to_host(np.empty(COUNTER_BYTES // 4, np.uint32))
-
-
 def attend(rt, dev, launcher, s, ratio, q_ptr, rows, win, cmp, selected, sink, freq, splits, fp8_kv=False):
-    """out [rows, heads, hd] as float32 from `launcher` (sparse_attention_mqa or sparse_attention), bf16 build;
-    the counters are zero again afterwards."""
+    """out [rows, heads, hd] as float32 from `launcher` (sparse_attention_mqa or sparse_attention), bf16 build."""
     n, heads, hd = len(rows), s["heads"], s["hd"]
     out = dev(np.full((n, heads, hd), np.nan, BF16))
-    work = workspace(dev, n, heads, hd, splits)
+    work = dev(np.full(max(attention_workspace_bytes(n, heads, hd, splits), 16), 0xFF, np.uint8))  # NaN partials
     launcher(rt.device, BF16, out.ptr, q_ptr, dev(np.array([m for _, m in rows], np.int32)).ptr,
              dev(np.array([r for r, _ in rows], np.int32)).ptr, dev(sink).ptr, dev(freq).ptr, win, cmp, selected,
              rows=n, heads=heads, head_dim=hd, rope_dim=s["rd"], window_size=s["window"], ratio=ratio,
              top_k=s["top_k"] if selected else 0, splits=splits, workspace=work.ptr if splits > 1 else 0,
              fp8_kv=fp8_kv)(rt.stream)
     rt.stream.synchronize()
-    if splits > 1:
-        assert not counters(work).any(), "the last finisher zeroes the counters"
     return out.copy_to_host(np.empty((n, heads, hd), BF16)).astype(np.float32)
 
 
@@ -212,7 +198,7 @@ def test_graph_replays_on_new_rows(rt, dev):
     n = len(rows)
     splits = attention_mqa_splits(n, s["heads"], s["window"] + s["top_k"], rt.device.sm_count)
     out = dev(np.full((n, s["heads"], s["hd"]), np.nan, BF16))
-    work = workspace(dev, n, s["heads"], s["hd"], splits)
+    work = dev(np.zeros(max(attention_workspace_bytes(n, s["heads"], s["hd"], splits), 16), np.uint8))
     positions, req = dev(np.zeros(n, np.int32)), dev(np.full(n, -1, np.int32))
     q_dev, sel_dev, sink_dev, freq_dev = dev(np.zeros_like(q_store)), dev(np.full_like(selected, -1)), dev(sink), \
         dev(freq)
@@ -233,41 +219,6 @@ def test_graph_replays_on_new_rows(rt, dev):
     rt.stream.synchronize()
     check(out.copy_to_host(np.empty((n, s["heads"], s["hd"]), BF16)).astype(np.float32), ref, rows)
     graph.close()
-    assert not counters(work).any()
-
-
-@gpu
-@pytest.mark.parametrize("splits", [0, 3, 64])  # 0: attention_mqa_splits' choice
-@pytest.mark.parametrize("size", ["flash", "small-h72-d192"])
-def test_merge_repeats_and_gives_attention_combine_bits(rt, dev, size, splits):
-    """One launch, run four times on the same counters, gives the same bits each time, and the bits of
-    attention_combine over the partials it leaves (the former second launch)."""
-    s, mode = SIZES[size], "c4a"
-    rng = np.random.default_rng([len(size), splits])
-    rows, win, cmp, selected, q_store, sink, freq, ref = decode_case(rng, s, mode)
-    n, heads, hd = len(rows), s["heads"], s["hd"]
-    splits = splits or attention_mqa_splits(n, heads, s["window"] + s["top_k"], rt.device.sm_count)
-    out, work = dev(np.full((n, heads, hd), np.nan, BF16)), workspace(dev, n, heads, hd, splits)
-    positions, sink_dev, freq_dev = dev(np.array([m for _, m in rows], np.int32)), dev(sink), dev(freq)
-    launch = sparse_attention_mqa(rt.device, BF16, out.ptr, dev(q_store).ptr, positions.ptr,
-                                  dev(np.array([r for r, _ in rows], np.int32)).ptr, sink_dev.ptr, freq_dev.ptr,
-                                  win.upload(dev)[1], cmp.upload(dev)[1], dev(selected).ptr, rows=n, heads=heads,
-                                  head_dim=hd, rope_dim=s["rd"], window_size=s["window"], ratio=MODES[mode][0],
-                                  top_k=s["top_k"], splits=splits, workspace=work.ptr)
-    runs = []
-    for _ in range(4):
-        out.copy_from_host(np.full((n, heads, hd), np.nan, BF16))
-        launch(rt.stream)
-        rt.stream.synchronize()
-        runs.append(out.copy_to_host(np.empty((n, heads, hd), BF16)).view(np.uint16))
-        assert not counters(work).any()
-    assert all(np.array_equal(runs[0], r) for r in runs[1:])
-    check(runs[0].view(BF16).astype(np.float32), ref, rows)
-    combined = dev(np.full((n, heads, hd), np.nan, BF16))
-    attention_combine(rt.device, BF16, combined.ptr, work.ptr, sink_dev.ptr, positions.ptr, freq_dev.ptr, rows=n,
-                      heads=heads, head_dim=hd, rope_dim=s["rd"], splits=splits)(rt.stream)
-    rt.stream.synchronize()
-    assert np.array_equal(runs[0], combined.copy_to_host(np.empty((n, heads, hd), BF16)).view(np.uint16))
 
 
 # ---------------------------------------------------------------- host side (no GPU)
@@ -279,8 +230,7 @@ def test_launcher_refuses_what_the_kernel_cannot_take():
 
     for bad in [dict(dtype=np.float32, entry_bytes=2048), dict(hd=504, entry_bytes=1008), dict(hd=88, rd=8),
                 dict(entry_bytes=1000), dict(fp8_kv=True, entry_bytes=580), dict(fp8_kv=True, rd=60, entry_bytes=584),
-                dict(splits=2), dict(ratio=4), dict(rows=0),
-                dict(rows=COUNTER_BYTES // 8 + 1, splits=2, workspace=256)]:  # more (row, head block)s than counters
+                dict(splits=2), dict(ratio=4), dict(rows=0)]:
         with pytest.raises(ValueError):
             launch(**bad)
 

@@ -20,7 +20,6 @@ COMBINE_WARPS = 8
 MQA_HEADS = 64                 # kMqaHeads of attention_mqa.cu: the heads of one block
 MQA_KEYS = 32                  # kMqaKeys: keys per shared-memory tile
 MQA_THREADS = 256              # kMqaWarps * 32
-COUNTER_BYTES = 8192           # the workspace's head: two unsigned per (row, head block) of sparse_attention_mqa
 
 KV_BLOCK = 64                  # kKvBlock of kv_fp8.cuh: nope dims per e8m0 scale
 
@@ -100,18 +99,15 @@ def attention_splits(rows: int, heads: int, max_keys: int, dtype, sm_count: int,
 def attention_mqa_splits(rows: int, heads: int, max_keys: int, sm_count: int, min_tiles: int = 2) -> int:
     """attention_splits for sparse_attention_mqa, whose blocks take all heads (up to MQA_HEADS) of a row and
     a whole SM each: enough blocks for one wave when rows are few, at least `min_tiles` key tiles each, since
-    every split adds heads·head_dim float32 partial sums per row for the merge to read back. Depends on shapes
-    only, so a graph's launch stays valid."""
+    every split adds heads·head_dim float32 partial sums per row for attention_combine to read back. Depends on
+    shapes only, so a graph's launch stays valid."""
     blocks = rows * -(-heads // MQA_HEADS)
     return max(1, min(-(-sm_count // blocks), -(-max_keys // (min_tiles * MQA_KEYS))))
 
 
 def attention_workspace_bytes(rows: int, heads: int, head_dim: int, splits: int) -> int:
-    """Bytes of the workspace sparse_attention and sparse_attention_mqa need with `splits` > 1: COUNTER_BYTES of
-    counters, then partial sums, maxima and denominators. Zero the counters once before the first launch
-    (sparse_attention_mqa leaves them at zero again, sparse_attention never touches them); launches that share
-    a workspace must not overlap."""
-    return 0 if splits <= 1 else COUNTER_BYTES + rows * heads * splits * (head_dim + 2) * 4
+    """Bytes of the workspace sparse_attention needs with `splits` > 1 (partial sums, maxima, denominators)."""
+    return 0 if splits <= 1 else rows * heads * splits * (head_dim + 2) * 4
 
 
 def sparse_attention(device: Device, dtype, out: int, q: int, positions: int, req: int, sink: int, inv_freq: int,
@@ -124,8 +120,8 @@ def sparse_attention(device: Device, dtype, out: int, q: int, positions: int, re
     visible one, or the row's `top_k` int32 choices in `selected` [rows, top_k], -1 for none) and the
     float32 `sink` [heads]. Rows with req < 0 get zeros. `splits` > 1 divides each row's keys among that
     many blocks (decode batches too small to fill the GPU) and needs a `workspace` of
-    attention_workspace_bytes(); a second launch (attention_combine) merges them. fp8_kv: both caches hold
-    faithful-mode entries (kv_entry_bytes); the bf16 build dequantises packed ones in its key loads."""
+    attention_workspace_bytes(); a second launch merges them. fp8_kv: both caches hold faithful-mode
+    entries (kv_entry_bytes); the bf16 build dequantises packed ones in its key loads."""
     return _attention(False, device, dtype, out, q, positions, req, sink, inv_freq, window, compressed, selected,
                       rows, heads, head_dim, rope_dim, window_size, ratio, top_k, splits, workspace, fp8_kv)
 
@@ -134,14 +130,12 @@ def sparse_attention_mqa(device: Device, dtype, out: int, q: int, positions: int
                          inv_freq: int, window: PagedCache, compressed: PagedCache | None = None,
                          selected: int | None = None, *, rows: int, heads: int, head_dim: int, rope_dim: int,
                          window_size: int, ratio: int = 0, top_k: int = 0, splits: int = 1, workspace: int = 0,
-                         fp8_kv: bool = False) -> Launch:
+                         fp8_kv: bool = False) -> Launch | LaunchSequence:
     """sparse_attention on the tensor cores, bf16 build only (head_dim a multiple of 16): a block takes a row's
     q for up to MQA_HEADS heads, so each key is read once per row, and computes scores and P·V with bf16
-    mma.sync (P rounded to bf16). Same arguments, outputs and workspace layout, in one launch: with `splits` > 1
-    the last blocks of each (row, head block) to be done merge its partials as attention_combine does, counting
-    themselves in the workspace's counters, which must be zero (attention_workspace_bytes). Pick `splits` with
-    attention_mqa_splits and size the workspace for them. fp8_kv: packed entries are dequantised (exactly) into
-    the shared-memory key tiles."""
+    mma.sync (P rounded to bf16). Same arguments, outputs, workspace layout and merge (attention_combine);
+    pick `splits` with attention_mqa_splits and size the workspace for them. fp8_kv: packed entries are
+    dequantised (exactly) into the shared-memory key tiles."""
     return _attention(True, device, dtype, out, q, positions, req, sink, inv_freq, window, compressed, selected,
                       rows, heads, head_dim, rope_dim, window_size, ratio, top_k, splits, workspace, fp8_kv)
 
@@ -158,9 +152,6 @@ def _attention(mqa: bool, device, dtype, out, q, positions, req, sink, inv_freq,
         raise ValueError("attention needs at least one row")
     if splits > 1 and not workspace:
         raise ValueError("splits > 1 needs a workspace")
-    groups = rows * -(-heads // MQA_HEADS)  # sparse_attention_mqa's (row, head block)s, two counters each
-    if mqa and splits > 1 and 8 * groups > COUNTER_BYTES:
-        raise ValueError(f"{groups} (row, head block) pairs exceed the workspace's {COUNTER_BYTES // 8} counters")
     if mqa and (np.dtype(dtype).itemsize != 2 or head_dim % 16):
         raise ValueError(f"sparse_attention_mqa takes bf16 rows of a multiple of 16 dims, not {np.dtype(dtype)} "
                          f"× {head_dim} (the float32 build runs sparse_attention)")
@@ -169,7 +160,7 @@ def _attention(mqa: bool, device, dtype, out, q, positions, req, sink, inv_freq,
     t = storage_name(dtype)
     packed = packed_kv(dtype, fp8_kv)
     cmp = compressed or PagedCache(0, 0, 0, 1, 16)
-    part_o = workspace + COUNTER_BYTES if splits > 1 else 0
+    part_o = workspace if splits > 1 else 0
     part_ml = part_o + rows * heads * splits * head_dim * 4 if splits > 1 else 0
     args = [ctypes.c_void_p(out), ctypes.c_void_p(part_o), ctypes.c_void_p(part_ml), ctypes.c_void_p(q),
             ctypes.c_void_p(positions), ctypes.c_void_p(req), ctypes.c_void_p(sink), ctypes.c_void_p(inv_freq),
@@ -178,34 +169,24 @@ def _attention(mqa: bool, device, dtype, out, q, positions, req, sink, inv_freq,
             ctypes.c_int(head_dim), ctypes.c_int(rope_dim), ctypes.c_float(np.float32(head_dim ** -0.5))]
     flag = ",true" if packed else ""
     if mqa:
-        # The last min(splits, SMs / (2·groups)) blocks of a group merge: never more waiting than half the SMs.
-        finishers = min(splits, max(1, device.sm_count // (2 * groups)))
-        args[3:3] = [ctypes.c_void_p(workspace if splits > 1 else 0), ctypes.c_int(finishers)]
         kernel = device.kernel("attention_mqa", f"sparse_attention_mqa<{t}{flag}>", _MQA)
+        block_heads, threads = MQA_HEADS, MQA_THREADS
         shared = attention_mqa_shared_bytes(dtype, head_dim, rope_dim, fp8_kv)
         _allow_shared(kernel, shared)
-        return kernel.bind((rows, -(-heads // MQA_HEADS), max(1, splits)), MQA_THREADS, args, shared=shared)
-    kernel = device.kernel("attention", f"sparse_attention<{t}{flag}>", _ATTENTION)
-    tile_keys = TILE_BYTES // (MAX_HEAD_DIM * np.dtype(dtype).itemsize)
-    shared = 2 * tile_keys * kv_entry_bytes(dtype, head_dim, rope_dim, fp8_kv)
-    main = kernel.bind((rows, -(-heads // BLOCK_HEADS), max(1, splits)), ATTENTION_THREADS, args, shared=shared)
+    else:
+        kernel = device.kernel("attention", f"sparse_attention<{t}{flag}>", _ATTENTION)
+        tile_keys = TILE_BYTES // (MAX_HEAD_DIM * np.dtype(dtype).itemsize)
+        block_heads, threads = BLOCK_HEADS, ATTENTION_THREADS
+        shared = 2 * tile_keys * kv_entry_bytes(dtype, head_dim, rope_dim, fp8_kv)
+    main = kernel.bind((rows, -(-heads // block_heads), max(1, splits)), threads, args, shared=shared)
     if splits <= 1:
         return main
-    return LaunchSequence(main, attention_combine(device, dtype, out, workspace, sink, positions, inv_freq, rows=rows,
-                                                  heads=heads, head_dim=head_dim, rope_dim=rope_dim, splits=splits))
-
-
-def attention_combine(device: Device, dtype, out: int, workspace: int, sink: int, positions: int, inv_freq: int, *,
-                      rows: int, heads: int, head_dim: int, rope_dim: int, splits: int) -> Launch:
-    """out [rows, heads, hd] from the partials that sparse_attention left in `workspace` with `splits` > 1 (the
-    second launch of its sequence; sparse_attention_mqa leaves the same partials and merges them itself)."""
-    part_o = workspace + COUNTER_BYTES
-    part_ml = part_o + rows * heads * splits * head_dim * 4
-    args = [ctypes.c_void_p(out), ctypes.c_void_p(part_o), ctypes.c_void_p(part_ml), ctypes.c_void_p(sink),
-            ctypes.c_void_p(positions), ctypes.c_void_p(inv_freq), ctypes.c_int(rows), ctypes.c_int(heads),
-            ctypes.c_int(head_dim), ctypes.c_int(rope_dim), ctypes.c_int(splits)]
-    return device.kernel("attention", f"attention_combine<{storage_name(dtype)}>", _ATTENTION).bind(
-        -(-rows * heads * -(-head_dim // 128) // COMBINE_WARPS), COMBINE_WARPS * 32, args)
+    combine_args = [ctypes.c_void_p(out), ctypes.c_void_p(part_o), ctypes.c_void_p(part_ml), ctypes.c_void_p(sink),
+                    ctypes.c_void_p(positions), ctypes.c_void_p(inv_freq), ctypes.c_int(rows), ctypes.c_int(heads),
+                    ctypes.c_int(head_dim), ctypes.c_int(rope_dim), ctypes.c_int(splits)]
+    combine = device.kernel("attention", f"attention_combine<{t}>", _ATTENTION).bind(
+        -(-rows * heads * -(-head_dim // 128) // COMBINE_WARPS), COMBINE_WARPS * 32, combine_args)
+    return LaunchSequence(main, combine)
 
 
 def attention_mqa_shared_bytes(dtype, head_dim: int, rope_dim: int, fp8_kv: bool = False) -> int:

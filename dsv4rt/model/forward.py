@@ -152,14 +152,12 @@ class GpuModel:
             selected=T * c.index_topk * 4, o=T * c.num_heads * hd * s, t=T * c.o_groups * c.o_lora_rank * s,
             f=T * D * s, y=T * D * s, logits=T * c.vocab_size * 4, moe=moe_bytes, **quantized,
             hc_pre=hc_k.pre_workspace_bytes(T, c.hc_mult, D),
-            att=max(attn_k.COUNTER_BYTES, *(attn_k.attention_workspace_bytes(t, c.num_heads, hd, self._splits(i, t))
-                    for t in range(1, min(T, 2 * self.rt.device.sm_count) + 1)    # splits = 1 beyond 2·sm_count rows
-                    for i in {(k, r): i for i, (k, r) in enumerate(zip(c.kinds, c.ratios))}.values()))))
+            att=max(attn_k.attention_workspace_bytes(t, c.num_heads, hd, self._splits(i, t))  # splits = 1 beyond
+                    for t in range(1, min(T, 2 * self.rt.device.sm_count) + 1)    # 2·sm_count rows
+                    for i in {(k, r): i for i, (k, r) in enumerate(zip(c.kinds, c.ratios))}.values())))
         self.ws.ptr.update(self.inputs.pointers(self.ws["inputs"]))
         zeros = np.zeros(hc_k.pre_workspace_bytes(T, c.hc_mult, D), np.uint8)   # hc_pre's counters start at zero
         self.ws.buffer.copy_from_host(zeros, self.rt.stream, offset=self.ws["hc_pre"] - self.ws.buffer.ptr)
-        zeros = np.zeros(attn_k.COUNTER_BYTES, np.uint8)   # sparse_attention_mqa's counters start at zero
-        self.ws.buffer.copy_from_host(zeros, self.rt.stream, offset=self.ws["att"] - self.ws.buffer.ptr)
         self.n_max = n_max
 
     def _splits(self, i: int, T: int) -> int:
