@@ -31,8 +31,6 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], 
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-// The two warps of strip `id - 1` (64 threads).
-__device__ __forceinline__ void pair_sync(int id) { asm volatile("bar.sync %0, 64;\n" ::"r"(id) : "memory"); }
 // Two e4m3 codes (low byte first) times the power of two s, as a bf16 pair: exact.
 __device__ __forceinline__ unsigned e4m3x2_bf16x2(unsigned codes, float s) {
     const float2 v = e4m3x2_value(static_cast<unsigned short>(codes));
@@ -158,7 +156,10 @@ sparse_attention_mqa(T* out, float* part_o, float2* part_ml, const T* q, const i
             dequantise(buf);
             __syncthreads();
         }
-        if (!busy) continue;
+        if (!busy) {  // meets the busy warps' barrier at the score swap (whole-block: racecheck models those)
+            __syncthreads();
+            continue;
+        }
         const T* tile = keys + (Fp8Kv ? 0 : buf * TILE * stride);
         const unsigned k_addr = smem_u32(tile + k_off), v_addr = smem_u32(tile + v_off);
 
@@ -186,7 +187,7 @@ sparse_attention_mqa(T* out, float* part_o, float2* part_ml, const T* q, const i
         const float4* theirs = swap + (warp ^ 4) * NT * 32 + lane;
 #pragma unroll
         for (int n = 0; n < NT; ++n) mine[n * 32] = make_float4(s[n][0], s[n][1], s[n][2], s[n][3]);
-        pair_sync(1 + strip);
+        __syncthreads();
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             const float4 x = theirs[n * 32];
