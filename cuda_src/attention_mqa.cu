@@ -24,13 +24,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned add
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
-// d += a·b: a 16 × 16 bf16 (row-major), b 16 × 8 bf16 (column-major), d 16 × 8 float32.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 // Two e4m3 codes (low byte first) times the power of two s, as a bf16 pair: exact.
 __device__ __forceinline__ unsigned e4m3x2_bf16x2(unsigned codes, float s) {
     const float2 v = e4m3x2_value(static_cast<unsigned short>(codes));
@@ -179,8 +172,8 @@ sparse_attention_mqa(T* out, float* part_o, float2* part_ml, const T* q, const i
             for (int j = 0; j < KS; ++j) {
                 unsigned b[4];
                 ldmatrix_x4(b, k_addr + (j * 16 * stride + slice * 16) * 2);
-                mma_bf16(s[2 * j], a, b[0], b[1]);
-                mma_bf16(s[2 * j + 1], a, b[2], b[3]);
+                mma<Mma::bf16>(s[2 * j], a[0], a[1], a[2], a[3], b[0], b[1]);
+                mma<Mma::bf16>(s[2 * j + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
             }
         }
         float4* mine = swap + warp * NT * 32 + lane;
@@ -236,8 +229,8 @@ sparse_attention_mqa(T* out, float* part_o, float2* part_ml, const T* q, const i
             for (int j = 0; j < KS; ++j) {
                 unsigned b[4];
                 ldmatrix_x4_trans(b, v_addr + (j * 16 * stride + slice * 16) * 2);
-                mma_bf16(o[i][0], p[j], b[0], b[1]);
-                mma_bf16(o[i][1], p[j], b[2], b[3]);
+                mma<Mma::bf16>(o[i][0], p[j][0], p[j][1], p[j][2], p[j][3], b[0], b[1]);
+                mma<Mma::bf16>(o[i][1], p[j][0], p[j][1], p[j][2], p[j][3], b[2], b[3]);
             }
         }
     }

@@ -374,31 +374,6 @@ constexpr int kSelectThreads = 512;
 constexpr int kBins1 = 4096, kBins = 1024;
 constexpr int kUnroll = 4;  // float4 loads in flight per thread
 
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
-
-// The address of `p` (this block's shared memory) in cluster block `rank`'s shared memory.
-__device__ __forceinline__ unsigned cluster_addr(const void* p, int rank) {
-    unsigned a;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
-                 : "=r"(a) : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))), "r"(rank));
-    return a;
-}
-__device__ __forceinline__ unsigned cluster_load(unsigned a) {
-    unsigned v;
-    asm volatile("ld.shared::cluster.u32 %0, [%1];\n" : "=r"(v) : "r"(a) : "memory");
-    return v;
-}
-__device__ __forceinline__ uint4 cluster_load4(unsigned a) {
-    uint4 v;
-    asm volatile("ld.shared::cluster.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a) : "memory");
-    return v;
-}
-
 // Float bits made unsigned-comparable in the float order; −0 and +0 tie, as in the reference.
 __device__ __forceinline__ unsigned order_key(float s) {
     const unsigned u = __float_as_uint(s == 0.f ? 0.f : s);

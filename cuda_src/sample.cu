@@ -63,18 +63,11 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
     return c;
 }
 
+// A barrier of the row's blocks (a cluster of C) that orders their shared-memory accesses, local and remote.
 template <int C>
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r = 0;
-    if constexpr (C > 1) asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-
-// A barrier of the cluster's threads that orders their shared-memory accesses, local and remote.
-template <int C>
-__device__ __forceinline__ void cluster_sync() {
+__device__ __forceinline__ void row_sync() {
     if constexpr (C > 1) {
-        asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+        cluster_sync();
     } else {
         __syncthreads();
     }
@@ -392,13 +385,13 @@ struct Sampler {
             if (round < 0) {
                 b = block_max(b, sh.part);
                 if (threadIdx.x == 0) sh.rank_max = b.a, sh.rank_low = b.b;
-                cluster_sync<C>();
+                row_sync<C>();
                 for (int r = 0; r < C; ++r)
                     b.a = max(b.a, *peer<C>(&sh.rank_max, r)), b.b = max(b.b, *peer<C>(&sh.rank_low, r));
                 rank_max = b.a, rank_min = ~b.b;
                 continue;
             }
-            if (draw) __syncthreads(); else cluster_sync<C>();
+            if (draw) __syncthreads(); else row_sync<C>();
             if (draw && round == 0) {
                 // This block's mass: the draw's u picks the block, which alone goes on.
                 if (threadIdx.x < 32) {
@@ -408,7 +401,7 @@ struct Sampler {
                     for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(kAll, z, o);
                     if (threadIdx.x == 0) sh.z = z;
                 }
-                cluster_sync<C>();
+                row_sync<C>();
                 u64 before = 0, total = 0;
                 for (int r = 0; r < C; ++r) {
                     const u64 zr = *peer<C>(&sh.z, r);
@@ -416,7 +409,7 @@ struct Sampler {
                     total += zr;
                 }
                 const u64 z = sh.z;
-                cluster_sync<C>();  // no block leaves while another may read its shared memory
+                row_sync<C>();  // no block leaves while another may read its shared memory
                 if (total == 0) {  // no finite mass (NaN or all −inf logits): the first maximum
                     if (rank == 0 && threadIdx.x == 0) *out = argmax;
                     return Cut{0, 0, 0};
@@ -547,7 +540,7 @@ __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(512, 1) sample_token
     extern __shared__ __align__(16) unsigned char held_memory[];
     const int row = blockIdx.x / C;
     Sampler<C> s{sh, logits + static_cast<size_t>(row) * vocab, vocab, capacity};
-    s.rank = cluster_rank<C>();
+    s.rank = cluster_rank();
     s.vec4 = vocab % 4 == 0 && aligned16(logits);
     const int unit = s.vec4 ? 4 : 1, per = ((vocab + unit - 1) / unit + C - 1) / C * unit;
     s.share_lo = min(vocab, static_cast<int>(s.rank) * per), s.share_hi = min(vocab, s.share_lo + per);
@@ -558,14 +551,14 @@ __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(512, 1) sample_token
     });
     top = block_max(top, sh.part);
     if (threadIdx.x == 0) sh.best = top.a, sh.low = top.b;
-    cluster_sync<C>();
+    row_sync<C>();
     for (int r = 0; r < C; ++r) top.a = max(top.a, *peer<C>(&sh.best, r)), top.b = max(top.b, *peer<C>(&sh.low, r));
     const int argmax = static_cast<int>(0xffffffffu - static_cast<unsigned>(top.a));
     const float t = temperature[row], p = top_p[row];
     const int k = top_k[row];
     if (!(t > 0.f) || k == 1) {
         if (s.rank == 0 && threadIdx.x == 0) out[row] = argmax;
-        cluster_sync<C>();  // no block leaves while another may read its `best`
+        row_sync<C>();  // no block leaves while another may read its `best`
         return;
     }
 
@@ -581,7 +574,7 @@ __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(512, 1) sample_token
     for (int b = threadIdx.x; b < s.bins; b += blockDim.x) sh.bin_count[b] = 0, sh.bin_mass[b] = 0;
     s.pass(kPool, false, Filter{0, 0, s.bins - 1, false, 64, 0}, 0, vocab, 0, 0);
     if (threadIdx.x == 0) sh.pool_n = sh.n;  // sh.n changes with later copies while peers may still read this
-    cluster_sync<C>();
+    row_sync<C>();
     if constexpr (C > 1) {
         for (int b = threadIdx.x; b < s.bins; b += blockDim.x) {
             unsigned n = 0;

@@ -6,28 +6,6 @@
 // dsv4rt-instantiate: skinny_gemm<__nv_bfloat16,2,4> skinny_gemm<__nv_bfloat16,2,8>
 #include "common.cuh"
 
-// Cluster helpers in PTX (cooperative_groups needs headers NVRTC is not given here).
-__device__ __forceinline__ int cluster_rank() {
-    int r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-
-// Every thread of every block of the cluster arrives; shared-memory writes before it are seen after it.
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// The float at the address of `p` in the shared memory of cluster block `rank`.
-__device__ __forceinline__ float load_shared_of(const float* p, int rank) {
-    const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(p));
-    unsigned remote;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-    return v;
-}
-
 constexpr int kUnit = 64;  // columns of k a warp takes at a time: one 128-byte line of each of its 16 weight rows
 constexpr int kStage = 2;  // units a warp loads at once: it holds two stages, one in flight while it uses the other
 
@@ -152,13 +130,13 @@ skinny_gemm(OutT* y, const __nv_bfloat16* x, const __nv_bfloat16* w, int m, int 
             *first = sum;  // only this thread reads or writes element e % TILE of the group's warps
     }
     if constexpr (S > 1) {
-        const int rank = cluster_rank();
+        const int rank = static_cast<int>(cluster_rank());
         cluster_sync();
         for (int e = rank + S * threadIdx.x; e < per_block * TILE; e += S * blockDim.x) {
             const float* first = partial + e / TILE * parts * TILE + e % TILE;
             float sum = 0.f;
 #pragma unroll
-            for (int q = 0; q < S; ++q) sum += load_shared_of(first, q);
+            for (int q = 0; q < S; ++q) sum += __uint_as_float(cluster_load(cluster_addr(first, q)));
             store_output(y, sum * alpha, blockIdx.x * per_block + e / TILE, e % TILE, m0, m, n, y_ld, y_step, groups);
         }
         cluster_sync();  // a block's shared memory outlives the reads of the others
