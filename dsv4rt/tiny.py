@@ -49,7 +49,7 @@ PRESETS = {
 _FP32 = ("ape", "attn_sink", "gate.bias")  # the rest of the float tensors are bf16, as released
 FORMATS = ("bf16", "official")
 # the released checkpoints' storage (MODEL.md section 10); every other linear weight stays bf16
-_FP8 = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_b|indexer\.wq_b)\.weight$|\.ffn\.shared_experts\.w[123]\.weight$")
+_FP8 = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.ffn\.shared_experts\.w[123]\.weight$")
 _FP4 = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
 QUANTIZATION_CONFIG = dict(activation_scheme="dynamic", fmt="e4m3", quant_method="fp8", scale_fmt="ue8m0",
                            weight_block_size=[128, 128])

@@ -262,7 +262,7 @@ def test_flash_slice_in_the_released_format_fits_the_faithful_kernels():
     shapes = expected_shapes(cfg)
     fp8 = [s for n, s in shapes.items() if _FP8.search(n)]
     fp4 = [s for n, s in shapes.items() if _FP4.search(n)]
-    assert len(fp8) == 8 * 4 + 4 * 1 + 8 * 3 and len(fp4) == 8 * 32 * 3   # 4 c4a layers have an indexer
+    assert len(fp8) == 8 * 5 + 4 * 1 + 8 * 3 and len(fp4) == 8 * 32 * 3   # 4 c4a layers have an indexer
     assert all(n % 128 == 0 and k % 128 == 0 for n, k in fp8) and all(k % 32 == 0 for _, k in fp4)
     assert default_numerics(cfg) == "faithful"
     kinds = {k.name: k.entry_bytes for k in build_plan(cfg).kinds}

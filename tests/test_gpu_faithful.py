@@ -342,7 +342,7 @@ def tiny_a_stored(folder, fmt) -> Checkpoint:
 
 
 def released(name: str) -> str | None:
-    if name.endswith(ATTENTION) or SHARED in name and name.endswith(".weight"):
+    if name.endswith(ATTENTION + (".attn.wo_a.weight",)) or SHARED in name and name.endswith(".weight"):
         return "fp8"
     return "fp4" if ROUTED in name and name.endswith(".weight") else None
 
@@ -352,7 +352,8 @@ def released(name: str) -> str | None:
     (lambda n: released(n) if n.endswith(ATTENTION) else None, (True, False)),
     (lambda n: None if n.endswith(ATTENTION) else released(n), (False, True)),
     (lambda n: None, (False, False)),
-], ids=["released", "attention", "experts", "none"])
+    (lambda n: "fp8" if n.endswith(".attn.wo_a.weight") else None, (False, False)),
+], ids=["released", "attention", "experts", "none", "wo_a"])
 def test_released_formats_of_a_checkpoint(tmp_path, fmt, want):
     from dsv4rt.model.linear_fp8 import released_formats
     with tiny_a_stored(tmp_path / "m", fmt) as ck:
@@ -363,8 +364,8 @@ def test_released_formats_of_a_checkpoint(tmp_path, fmt, want):
     (lambda n: "fp8" if n.endswith(".attn.wq_a.weight") else None, "attention fp8/unquantised"),
     (lambda n: "fp8" if ROUTED in n and n.endswith(".weight") else None, "routed experts fp8"),
     (lambda n: "fp4" if ROUTED in n and n.endswith(".weight") else None, "shared expert unquantised"),
-    (lambda n: "fp8" if n.endswith(".attn.wo_a.weight") else released(n), "layers.0.attn.wo_a.weight is stored"),
-], ids=["part of attention", "fp8 routed experts", "no fp8 shared expert", "wo_a"])
+    (lambda n: "fp8" if n.endswith(".ffn.gate.weight") else released(n), "layers.0.ffn.gate.weight is stored"),
+], ids=["part of attention", "fp8 routed experts", "no fp8 shared expert", "gate"])
 def test_other_stored_formats_are_refused(tmp_path, fmt, message):
     from dsv4rt.model.linear_fp8 import released_formats
     with tiny_a_stored(tmp_path / "m", fmt) as ck:

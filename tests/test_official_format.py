@@ -2,27 +2,29 @@
 import json
 import re
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 from conftest import FIXTURES, rel_rows
 from test_cli import dsv4rt
 
-from dsv4rt.loader import Checkpoint, fp4_scale_shape, fp8_scale_shape, scale_name
+from dsv4rt.loader import Checkpoint, e8m0_to_float32, fp4_scale_shape, fp8_scale_shape, scale_name
 from dsv4rt.reference import load_model
 from dsv4rt.tiny import make_tiny
 
 SEED = 3
 FP8 = ["layers.0.attn.wq_a.weight", "layers.1.attn.wq_b.weight", "layers.2.attn.wkv.weight",
-       "layers.0.attn.wo_b.weight", "layers.2.attn.indexer.wq_b.weight", "layers.1.ffn.shared_experts.w2.weight"]
+       "layers.0.attn.wo_a.weight", "layers.0.attn.wo_b.weight", "layers.2.attn.indexer.wq_b.weight",
+       "layers.1.ffn.shared_experts.w2.weight"]
 FP4 = ["layers.0.ffn.experts.0.w1.weight", "layers.1.ffn.experts.3.w2.weight", "layers.2.ffn.experts.2.w3.weight"]
-BF16 = ["embed.weight", "head.weight", "norm.weight", "layers.0.attn.wo_a.weight", "layers.2.attn.q_norm.weight",
+BF16 = ["embed.weight", "head.weight", "norm.weight", "layers.2.attn.q_norm.weight",
         "layers.0.attn.compressor.wkv.weight", "layers.2.attn.indexer.compressor.wgate.weight",
         "layers.2.attn.indexer.weights_proj.weight", "layers.1.ffn.gate.weight", "layers.1.attn_norm.weight"]
 FP32 = ["layers.0.attn.compressor.ape", "layers.1.attn.attn_sink", "layers.2.ffn.gate.bias", "layers.0.hc_attn_fn",
         "layers.2.hc_ffn_base", "hc_head_scale"]
 # every weight the released checkpoints store in fp8; the routed experts are all fp4
-FP8_PATTERN = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_b|indexer\.wq_b)\.weight$|\.shared_experts\.w[123]\.weight$")
+FP8_PATTERN = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.shared_experts\.w[123]\.weight$")
 # round to nearest on e4m3 (3 mantissa bits) moves a normal value by at most 2^-4 of itself, so no row moves more
 E4M3_BOUND = 2.0 ** -4
 # e2m1 (1 mantissa bit) moves a normal value by up to 1/5 of itself (1.25 -> 1 or 1.5) and flushes values under
@@ -78,6 +80,20 @@ def test_stored_dtypes_are_the_released_ones(official):
     flash = json.loads((FIXTURES / "configs" / "deepseek-v4-flash.json").read_text())
     assert cfg["quantization_config"] == flash["quantization_config"]
     assert cfg["expert_dtype"] == "fp4"
+
+
+def test_wo_a_is_fp8_with_block_scales(official, bf16):
+    """wo_a [G·o_lora, (H/G)·hd] as released: e4m3 with one e8m0 scale per 128 x 128 tile; the tiny model's rows
+    are a single partial tile, scaled by its own largest element."""
+    with Checkpoint.open(official) as q, Checkpoint.open(bf16) as b:
+        for i in range(q.config.num_layers):
+            n = f"layers.{i}.attn.wo_a.weight"
+            w, scale = q.raw(n), q.raw(scale_name(n))
+            assert w.dtype == ml_dtypes.float8_e4m3fn and w.shape == b.logical_shape(n) == (32, 64), n
+            assert scale.shape == (1, 1) and q.stored_dtype(scale_name(n)) == "F8_E8M0", n
+            amax = np.abs(b.float32(n)).max()
+            assert amax / 448 <= e8m0_to_float32(scale)[0, 0] < amax / 224, n
+            assert rel_rows(q.float32(n), b.float32(n)).max() < E4M3_BOUND, n
 
 
 def test_shards_and_index(official):

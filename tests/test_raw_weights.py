@@ -1,5 +1,6 @@
-"""load_weights(raw=True): fp8/fp4 weights and their e8m0 block scales go to the device as released, every other
-tensor as the default conversion gives it; float scales that are powers of two become e8m0."""
+"""load_weights(raw=True): fp8/fp4 weights and their e8m0 block scales go to the device as released, but wo_a
+(stored fp8, dequantised exactly at upload); every other tensor as the default conversion gives it; float scales
+that are powers of two become e8m0."""
 import shutil
 
 import ml_dtypes
@@ -10,7 +11,8 @@ from safetensors.numpy import save_file
 from dsv4rt.loader import Checkpoint, CheckpointError, e8m0_to_float32, expected_shapes, scale_name
 from dsv4rt.cuda.arena import ALIGN
 from dsv4rt.loader.upload import layout
-from dsv4rt.model.weights import E8M0, Converted, e8m0_bytes, load_weights
+from dsv4rt.model.weights import E8M0, Converted, e8m0_bytes, kept_quantized, load_weights
+from dsv4rt.reference import checkpoint_weights
 from dsv4rt.tiny import make_tiny
 
 BF16 = ml_dtypes.bfloat16
@@ -30,7 +32,8 @@ def ck(official):
 
 
 def quantized(ck) -> list[str]:
-    return [n for n in expected_shapes(ck.config) if ck.is_quantized(n)]
+    """The weights a raw upload keeps as stored."""
+    return [n for n in expected_shapes(ck.config) if kept_quantized(ck, n)]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, BF16])
@@ -52,6 +55,23 @@ def test_raw_source_holds_the_stored_bytes(ck, dtype):
     assert raw.raw(FP4).dtype == np.int8 and raw.raw(FP4).shape == (ck.logical_shape(FP4)[0],
                                                                     ck.logical_shape(FP4)[1] // 2)
     assert raw.raw(scale_name(FP4)).dtype == E8M0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+def test_raw_source_dequantises_wo_a(ck, dtype):
+    """wo_a is stored in fp8 but its input is not act_quant-ed, so the raw source holds it dequantised in the
+    build's type, with no scale: exactly the reference's weight (e4m3 times a power of two fits bf16). Every other
+    quantised weight stays as stored."""
+    raw = Converted(ck, dtype, keep_quantized=True)
+    wo_a = [n for n in expected_shapes(ck.config) if n.endswith(".attn.wo_a.weight")]
+    assert len(wo_a) == ck.config.num_layers
+    assert {n for n in expected_shapes(ck.config) if ck.is_quantized(n)} - set(quantized(ck)) == set(wo_a)
+    ref = checkpoint_weights(ck)
+    for n in wo_a:
+        assert ck.quant_format(n) == "fp8" and scale_name(n) not in raw.names(), n
+        got = raw.raw(n)
+        assert got.dtype == dtype and got.shape == ck.logical_shape(n), n
+        np.testing.assert_array_equal(got.astype(np.float32), ref[n], err_msg=n)
 
 
 def test_raw_layout_has_no_dequantised_copy(ck):
