@@ -47,6 +47,12 @@ def instantiations(source: str) -> list[str]:
             for e in line[len(INSTANTIATE):].split()]
 
 
+@functools.cache
+def declared(source: str) -> tuple[str, ...]:
+    """Every instantiation cuda_src/`source`.cu declares: launchers compile them as one module."""
+    return tuple(instantiations((source_dir() / f"{source}.cu").read_text()))
+
+
 def cache_dir() -> Path:
     if os.environ.get("DSV4RT_CACHE_DIR"):
         return Path(os.environ["DSV4RT_CACHE_DIR"])

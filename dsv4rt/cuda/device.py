@@ -98,6 +98,13 @@ class Kernel:
     def launch(self, grid, block, args, stream: Stream, shared: int = 0):
         self.bind(grid, block, args, shared)(stream)
 
+    def allow_shared(self, nbytes: int):
+        """Dynamic shared memory beyond 48 KB less the static share needs the opt-in; only ever raised, since
+        launches bound (and graphs captured) earlier may need more."""
+        attr = drv().CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        if nbytes > check(drv().cuFuncGetAttribute(attr, self.function)):
+            check(drv().cuFuncSetAttribute(self.function, attr, nbytes))
+
 
 class Launch:
     def __init__(self, kernel: Kernel, grid, block, shared: int, args: list):

@@ -7,7 +7,6 @@ import ctypes
 import numpy as np
 
 from ..cuda.device import Device, Launch
-from ..cuda.driver import check, drv
 from ..cuda.ops import storage_name
 from .paged import LaunchSequence, PagedCache
 
@@ -172,7 +171,7 @@ def _attention(mqa: bool, device, dtype, out, q, positions, req, sink, inv_freq,
         kernel = device.kernel("attention_mqa", f"sparse_attention_mqa<{t}{flag}>", _MQA)
         block_heads, threads = MQA_HEADS, MQA_THREADS
         shared = attention_mqa_shared_bytes(dtype, head_dim, rope_dim, fp8_kv)
-        _allow_shared(kernel, shared)
+        kernel.allow_shared(shared)
     else:
         kernel = device.kernel("attention", f"sparse_attention<{t}{flag}>", _ATTENTION)
         tile_keys = TILE_BYTES // (MAX_HEAD_DIM * np.dtype(dtype).itemsize)
@@ -197,10 +196,3 @@ def attention_mqa_shared_bytes(dtype, head_dim: int, rope_dim: int, fp8_kv: bool
     encoded = 2 * MQA_KEYS * kv_entry_bytes(dtype, head_dim, rope_dim, True) if packed else 0
     return tiles + MQA_THREADS // 32 * MQA_KEYS * 64 + encoded
 
-
-def _allow_shared(kernel, nbytes: int):
-    """Dynamic shared memory beyond 48 KB needs the opt-in; only ever raised, as compress._allow_shared (which
-    imports this module)."""
-    attr = drv().CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    if nbytes > check(drv().cuFuncGetAttribute(attr, kernel.function)):
-        check(drv().cuFuncSetAttribute(kernel.function, attr, nbytes))

@@ -6,10 +6,9 @@ import ctypes
 import numpy as np
 
 from ..cuda.device import Device, Launch
-from ..cuda.driver import check, drv
 from ..cuda.ops import storage_name
 from .attention import MAX_HEAD_DIM, kv_entry_bytes, packed_kv
-from .paged import LaunchSequence, PagedCache
+from .paged import NOTHING, LaunchSequence, PagedCache
 
 POOL_THREADS = 512        # the most threads of a compress block; wider entries loop over channels
 INDEX_HEADS = 64          # kHeads of indexer.cu: heads of one score block
@@ -95,7 +94,7 @@ def compress_pool(device: Device, dtype, out: PagedCache, state: PagedCache, a: 
     elif out.entry_bytes < width * np.dtype(dtype).itemsize:
         raise ValueError(f"cache entries of {out.entry_bytes} B cannot hold {width} elements")
     if rows == 0:
-        return LaunchSequence()
+        return NOTHING
     if fp4_keys:   # the packed entry does not depend on the storage type: one instantiation serves both builds
         k = device.kernel("compress", "compress_pool<float,false,true>", _POOL)
     else:
@@ -135,7 +134,7 @@ def indexer_select(device: Device, dtype, selected: int, scores: int, q: int, w:
         raise ValueError(f"indexer: fp4 keys of head_dim {head_dim} need {indexer_entry_bytes(dtype, head_dim, True)} B"
                          f"{' 4-byte aligned' if mma else ''}, the cache has {keys.entry_bytes}")
     if rows == 0:
-        return LaunchSequence()
+        return NOTHING
     launches = []
     name = storage_name(dtype)
     if fp4_keys:
@@ -166,23 +165,15 @@ def indexer_select(device: Device, dtype, selected: int, scores: int, q: int, w:
         splits = min(tiles, max(1, -(-WAVES * device.sm_count // rows)))
         score_args = [ctypes.c_void_p(scores), ctypes.c_void_p(q), ctypes.c_void_p(w), *common,
                       ctypes.c_int(head_dim), ctypes.c_int(n_max), ctypes.c_int(ratio)]
-    _allow_shared(score, shared)
+    score.allow_shared(shared)
     select = device.kernel("indexer", "indexer_topk", _INDEXER)
     share = -(-((n_max + 6) // 4) // CLUSTER)   # float4 groups of a block's share of the row
     candidates = min(CANDIDATES, 4 * share)
     select_shared = 2 * (-(-share // 8) + candidates) * 4   # two bitmaps, candidate keys and indices
-    _allow_shared(select, select_shared)
+    select.allow_shared(select_shared)
     select_args = [ctypes.c_void_p(selected), ctypes.c_void_p(scores), ctypes.c_void_p(positions),
                    ctypes.c_void_p(req), ctypes.c_int(n_max), ctypes.c_int(topk), ctypes.c_int(ratio),
                    ctypes.c_int(candidates)]
     return LaunchSequence(*launches, score.bind((splits, rows), SCORE_THREADS, score_args, shared=shared),
                           select.bind((CLUSTER, rows), SELECT_THREADS, select_args, shared=select_shared))
 
-
-def _allow_shared(kernel, nbytes: int):
-    """Dynamic shared memory beyond 48 KB less the kernel's static share needs the opt-in; only ever raised,
-    since launches bound (and graphs captured) earlier may need more."""
-    d = drv()
-    attr = d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    if nbytes > check(d.cuFuncGetAttribute(attr, kernel.function)):
-        check(d.cuFuncSetAttribute(kernel.function, attr, nbytes))

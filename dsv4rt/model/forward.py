@@ -66,8 +66,6 @@ class GpuModel:
     cache, whose pages the block manager holds only for what a step reads or leaves to the next.
     `numerics` exact or faithful; by default faithful for checkpoints stored in fp8/fp4."""
 
-    tensor_core_attention = True    # bf16 builds: sparse_attention_mqa (the float32 build always takes the CUDA cores)
-
     def __init__(self, model_dir, dtype=ml_dtypes.bfloat16, *, runtime: Runtime | None = None,
                  max_len: int = 4096, kv_bytes: int = 256 << 20, max_batch: int = 1, step_rows: int | None = None,
                  slab_bytes: int = DEFAULT_SLAB_BYTES, numerics: str | None = None):
@@ -84,7 +82,8 @@ class GpuModel:
             self.fp8_attention, self.fp4_experts = released_formats(ck) if self.faithful else (False, False)
             self.w = load_weights(ck, self.dtype, rt.arena, rt.stream, raw=self.faithful).arrays
         self.max_len, self.max_batch = max_len, max_batch
-        self.mqa = self.tensor_core_attention and self.dtype.itemsize == 2 and cfg.head_dim % 16 == 0
+        # bf16 builds attend on the tensor cores (sparse_attention_mqa), the float32 build on the CUDA cores
+        self.mqa = self.dtype.itemsize == 2 and cfg.head_dim % 16 == 0
         self.max_chunk = max(1, cfg.window - 1)
         self.rows = step_rows or self.max_chunk
         self.plan = build_plan(cfg, self.numerics, element_bytes=self.dtype.itemsize)
@@ -356,22 +355,24 @@ class GpuModel:
                              width=width, ratio=ratio, overlap=overlap, rope_dim=c.rope_dim, eps=c.eps,
                              **stored)(stream)
 
-    # The streams live in ws[self.streams] and the last hc_pre's post and comb in ws[self.mix]. On decode batches an
-    # hc_post is left pending and the next hc_pre applies it in its own launch (one launch less per sublayer); that
-    # writes the new streams to the other buffer and its post and comb to the other pair, since its blocks still
-    # read the old ones.
+    # The streams live in ws[self.streams] and the last hc_pre's post and comb in the pair beside them (_mix). On
+    # decode batches an hc_post is left pending and the next hc_pre applies it in its own launch (one launch less
+    # per sublayer); that writes the new streams to the other buffer and its post and comb to the other pair, since
+    # its blocks still read the old ones.
     def _hc_reset(self):
-        self.streams, self.mix, self.post_pending = "X", ("post", "comb"), False
+        self.streams, self.post_pending = "X", False
+
+    def _mix(self) -> tuple[int, int]:
+        return tuple(self.ws[m + ("" if self.streams == "X" else "_b")] for m in ("post", "comb"))
 
     def _hc_pre(self, hc: str, norm: str, T: int):
         c, ws, dev, W = self.cfg, self.ws, self.rt.device, self.w
         fused = None
         if self.post_pending:
-            fused = (ws[self.streams], ws["f"], *(ws[m] for m in self.mix))
+            fused = (ws[self.streams], ws["f"], *self._mix())
             self.streams = "X_b" if self.streams == "X" else "X"
-            self.mix = ("post_b", "comb_b") if self.mix[0] == "post" else ("post", "comb")
             self.post_pending = False
-        hc_k.pre(dev, self.dtype, ws["u"], *(ws[m] for m in self.mix), ws[self.streams], W[hc + "_fn"].ptr,
+        hc_k.pre(dev, self.dtype, ws["u"], *self._mix(), ws[self.streams], W[hc + "_fn"].ptr,
                  W[hc + "_base"].ptr, W[hc + "_scale"].ptr, T, c.hc_mult, c.hidden_size, c.eps, c.hc_eps, c.hc_iters,
                  xn=ws["xn"], norm=W[norm].ptr, norm_eps=c.eps, workspace=ws["hc_pre"],
                  fused_post=fused)(self.rt.stream)
@@ -386,7 +387,7 @@ class GpuModel:
         if not self.post_pending:
             return
         c, ws, x = self.cfg, self.ws, self.ws[self.streams]
-        hc_k.post(self.rt.device, self.dtype, x, x, ws["f"], *(ws[m] for m in self.mix), T, c.hc_mult,
+        hc_k.post(self.rt.device, self.dtype, x, x, ws["f"], *self._mix(), T, c.hc_mult,
                   c.hidden_size)(self.rt.stream)
         self.post_pending = False
 

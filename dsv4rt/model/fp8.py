@@ -7,11 +7,11 @@ of a row for activations ([rows, ceil(k/128)]), one per 128 x 128 tile for weigh
 from __future__ import annotations
 
 import ctypes
-import functools
 
-from ..cuda.build import instantiations, source_dir
+from ..cuda.build import declared
 from ..cuda.device import Device, Launch
 from ..cuda.ops import storage_name
+from .paged import NOTHING
 
 BLOCK = 128            # kFp8Block: columns per scale
 QUANT_WARPS = 8        # act_quant: one warp per 128-column block of a row
@@ -20,13 +20,6 @@ MAX_GEMM_WARPS = 16    # __launch_bounds__(512)
 BLOCKS_PER_WARP = 2    # kernel's U: 128-column blocks whose weight loads a warp has in flight at once
 
 
-@functools.cache
-def _names() -> tuple[str, ...]:
-    return tuple(instantiations((source_dir() / "fp8.cu").read_text()))
-
-
-def _nothing(stream) -> None:
-    return None
 
 
 def scale_columns(k: int) -> int:
@@ -37,8 +30,8 @@ def act_quant(device: Device, dtype, q: int, scale: int, x: int, rows: int, k: i
     """q [rows, k] e4m3 and scale [rows, ceil(k/128)] e8m0 from x [rows, k] (float32 or bfloat16), bit for bit
     the reference's rounding. Any k; rows of 4·k elements aligned to 16 bytes take vector loads."""
     if rows == 0 or k == 0:
-        return _nothing
-    kernel = device.kernel("fp8", f"act_quant<{storage_name(dtype)}>", _names())
+        return NOTHING
+    kernel = device.kernel("fp8", f"act_quant<{storage_name(dtype)}>", declared("fp8"))
     tasks = rows * scale_columns(k)
     args = [ctypes.c_void_p(q), ctypes.c_void_p(scale), ctypes.c_void_p(x), ctypes.c_int(rows), ctypes.c_int(k)]
     return kernel.bind(-(-tasks // QUANT_WARPS), 32 * QUANT_WARPS, args)
@@ -59,10 +52,10 @@ def skinny_gemm(device: Device, out_dtype, y: int, xq: int, x_scale: int, w: int
     if k % 16:
         raise ValueError(f"the fp8 GEMM needs k to be a multiple of 16, got {k}")
     if m == 0 or n == 0:
-        return _nothing
+        return NOTHING
     tiles = 1 if m <= 8 else 2  # 8-row activation tiles of a block
     warps = gemm_warps(k)
-    kernel = device.kernel("fp8", f"fp8_skinny_gemm<{storage_name(out_dtype)},{tiles}>", _names())
+    kernel = device.kernel("fp8", f"fp8_skinny_gemm<{storage_name(out_dtype)},{tiles}>", declared("fp8"))
     args = [ctypes.c_void_p(p) for p in (y, xq, x_scale, w, w_scale)] + [ctypes.c_int(v) for v in (m, n, k)]
     grid = (-(-n // GEMM_COLUMNS), 1, -(-m // (8 * tiles)))
     return kernel.bind(grid, 32 * warps, args, shared=warps * 8 * tiles * GEMM_COLUMNS * 4)

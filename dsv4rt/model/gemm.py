@@ -12,7 +12,7 @@ import functools
 import ml_dtypes
 import numpy as np
 
-from ..cuda.build import instantiations, source_dir
+from ..cuda.build import declared
 from ..cuda.device import Device, Launch
 from ..cuda.ops import storage_name
 
@@ -163,10 +163,6 @@ def takes_skinny(dtype, x: int, w: int, m: int, n: int, k: int, x_ld: int, group
             and x % 16 == 0 and w % 16 == 0 and all(v % 8 == 0 for v in (k, x_ld, x_step, w_step)))
 
 
-@functools.cache
-def _skinny_names() -> tuple[str, ...]:
-    return tuple(instantiations((source_dir() / "skinny.cu").read_text()))
-
 
 def skinny_config(m: int, n: int, k: int, groups: int, sm_count: int) -> tuple[int, int, int, int]:
     """(tiles, per_block, parts, split): 8-row activation tiles of a block, its row groups (16 weight rows each),
@@ -192,7 +188,7 @@ def skinny_gemm(device: Device, out_dtype, x: int, w: int, y: int, m: int, n: in
     """y[g] = alpha · x[g]·w[g]ᵀ (Gemm's layout) in one launch for bf16 x and w, y float32 or bfloat16, whatever
     the shape (Gemm routes by takes_skinny); `config` overrides skinny_config's."""
     tiles, per_block, parts, split = config or skinny_config(m, n, k, groups, device.sm_count)
-    kernel = device.kernel("skinny", f"skinny_gemm<{storage_name(out_dtype)},{tiles},{split}>", _skinny_names())
+    kernel = device.kernel("skinny", f"skinny_gemm<{storage_name(out_dtype)},{tiles},{split}>", declared("skinny"))
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
     args = [P(y), P(x), P(w), I(m), I(n), I(k), I(x_ld), I(y_ld), L(x_step), L(w_step), L(y_step),
             ctypes.c_float(alpha), I(groups), I(parts)]

@@ -4,14 +4,14 @@ section 9; twin: reference.ops.Linear with act_quant on the dequantised weight).
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import numpy as np
 
-from ..cuda.build import instantiations, source_dir
+from ..cuda.build import declared
 from ..cuda.device import Device, Launch
 from ..cuda.driver import check, drv
 from ..cuda.ops import storage_name
+from .paged import NOTHING
 from .fp8 import BLOCK
 
 TILE_N = 128                  # kTileN: columns of y a block owns
@@ -21,13 +21,6 @@ ALIGN_SLACK = 1024            # the kernel aligns its stages to the 128-byte swi
 ARCH = "sm_90a"
 
 
-@functools.cache
-def _names() -> tuple[str, ...]:
-    return tuple(instantiations((source_dir() / "gemm_fp8.cu").read_text()))
-
-
-def _nothing(stream) -> None:
-    return None
 
 
 def shared_bytes(warpgroups: int) -> int:
@@ -57,14 +50,14 @@ def fp8_gemm(device: Device, x_q: int, x_scale: int, w: int, w_scale: int, y: in
     if warpgroups not in (None, 1, 2):
         raise ValueError(f"warpgroups must be 1 or 2, got {warpgroups}")
     if m == 0:
-        return _nothing
+        return NOTHING
     if device.arch != ARCH:
         raise RuntimeError(f"the prefill fp8 GEMM runs on {ARCH} (wgmma) only, this device is {device.arch}")
     groups = warpgroups or warpgroups_for(m, n, device.sm_count)
     box_rows = min(WARPGROUP_ROWS * groups, m)  # a box within the tensor: rows past it stay stale, unstored
-    kernel = device.kernel("gemm_fp8", f"fp8_prefill_gemm<{storage_name(out_dtype)},{groups}>", _names())
+    kernel = device.kernel("gemm_fp8", f"fp8_prefill_gemm<{storage_name(out_dtype)},{groups}>", declared("gemm_fp8"))
     shared = shared_bytes(groups)
-    _allow_shared(kernel, shared)
+    kernel.allow_shared(shared)
     args = [_tensor_map(x_q, m, k, box_rows), _tensor_map(w, n, k, TILE_N),
             *(ctypes.c_void_p(p) for p in (y, x_scale, w_scale)), *(ctypes.c_int(v) for v in (m, n, k, box_rows))]
     grid = (n // TILE_N, -(-m // (WARPGROUP_ROWS * groups)))
@@ -83,10 +76,3 @@ def _tensor_map(ptr: int, rows: int, k: int, box_rows: int) -> ctypes.Array:
         d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
     return (ctypes.c_ubyte * 128).from_buffer_copy(ctypes.string_at(int(tensor_map.getPtr()), 128))
 
-
-def _allow_shared(kernel, nbytes: int):
-    """Dynamic shared memory beyond 48 KB needs the opt-in; only ever raised, as compress._allow_shared."""
-    d = drv()
-    attr = d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    if nbytes > check(d.cuFuncGetAttribute(attr, kernel.function)):
-        check(d.cuFuncSetAttribute(kernel.function, attr, nbytes))

@@ -6,15 +6,14 @@ An empty batch (tokens == 0) gives a launch that does nothing.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import numpy as np
 
-from dsv4rt.cuda.build import instantiations, source_dir
+from dsv4rt.cuda.build import declared
 from dsv4rt.cuda.device import Device, Launch
 from dsv4rt.cuda import ops
 from dsv4rt.cuda.ops import storage_name
-from dsv4rt.model.paged import LaunchSequence
+from dsv4rt.model.paged import NOTHING, LaunchSequence
 
 HCS = (2, 4)    # the hc_mult values instantiated in hc.cu
 THREADS = 256   # kHcThreads
@@ -26,20 +25,13 @@ SLICE_UNIT = 128      # columns of one 32-lane step of four; slices are multiple
 COUNTER_BYTES = 256   # hc_pre_decode's two counters, at the start of its workspace
 
 
-@functools.cache
-def _names() -> tuple[str, ...]:
-    return tuple(instantiations((source_dir() / "hc.cu").read_text()))
-
 
 def _kernel(device: Device, name: str, dtype, hc: int | None = None, tokens: int | None = None):
     if hc is not None and hc not in HCS:
         raise ValueError(f"no hyper-connection kernels for hc={hc} (built for {HCS})")
     params = ",".join(str(p) for p in (storage_name(dtype), hc, tokens) if p is not None)
-    return device.kernel("hc", f"{name}<{params}>", _names())
+    return device.kernel("hc", f"{name}<{params}>", declared("hc"))
 
-
-def _nothing(stream) -> None:
-    return None
 
 
 def _block_1d(elements: int, cap: int) -> int:
@@ -66,7 +58,7 @@ def embed(device: Device, dtype, out: int, ids: int, table: int, tokens: int, vo
           dim: int) -> Launch:
     """out [T, hc, D] = table[ids] in every stream; ids int32 [T], ids outside [0, vocab) give zero rows."""
     if tokens == 0:
-        return _nothing
+        return NOTHING
     k = _kernel(device, "hc_embed", dtype)
     args = _p(out, ids, table) + [ctypes.c_int(vocab), ctypes.c_int(hc), ctypes.c_int(dim)]
     return k.bind(tokens, _block_1d(-(-dim // _vec(dtype)), 256), args)
@@ -115,7 +107,7 @@ def pre(device: Device, dtype, u: int, post: int, comb: int, x: int, fn: int, ba
         if x_prev == x or post_prev == post or comb_prev == comb:
             raise ValueError("fused_post's streams, post and comb must be other buffers than x, post and comb")
     if tokens == 0:
-        return _nothing
+        return NOTHING
     args = _p(u, post, comb, x, fn, base, scale) + [ctypes.c_int(tokens), ctypes.c_int(dim), ctypes.c_float(eps),
                                                     ctypes.c_float(hc_eps), ctypes.c_int(iters)]
     if tokens <= decode_tokens(device):
@@ -139,7 +131,7 @@ def head(device: Device, dtype, y: int, x: int, fn: int, base: int, scale: int, 
          eps: float, hc_eps: float) -> Launch:
     """y [T, D] = Σ_j (sigmoid(scale·v_j + base_j) + hc_eps) X_j; fn [hc, hc·D], base [hc], scale [1]."""
     if tokens == 0:
-        return _nothing
+        return NOTHING
     k = _kernel(device, "hc_head", dtype, hc)
     g = _groups(device, tokens)
     args = _p(y, x, fn, base, scale) + [ctypes.c_int(tokens), ctypes.c_int(dim), ctypes.c_float(eps),
@@ -151,7 +143,7 @@ def post(device: Device, dtype, out: int, x: int, f: int, post_w: int, comb: int
          dim: int) -> Launch:
     """out [T, hc, D] = post_w[k] · f + Σ_j comb[j, k] · X_j; out may be x (in place), f is [T, D]."""
     if tokens == 0:
-        return _nothing
+        return NOTHING
     k = _kernel(device, "hc_post", dtype, hc)
     args = _p(out, x, f, post_w, comb) + [ctypes.c_int(dim)]
     return k.bind(tokens, _block_1d(-(-dim // _vec(dtype)), THREADS), args)

@@ -8,13 +8,12 @@ tiled one and cuBLAS for the shared expert."""
 from __future__ import annotations
 
 import ctypes
-import functools
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..cuda.arena import ALIGN, Buffer
-from ..cuda.build import instantiations, source_dir
+from ..cuda.build import declared
 from ..cuda.device import Device, Launch
 from ..cuda.ops import storage_name
 from .gemm import Blas, linear
@@ -93,7 +92,7 @@ def route(device: Device, logits: int, idx: int, weight: int, tokens: int, exper
     """idx int32 [tokens, active] and weight fp32 [tokens, active] from fp32 gate logits [tokens, experts]:
     top-`active` of sqrt(softplus(logits)) + bias, or the hash table's experts tid2eid[ids]."""
     P = ctypes.c_void_p
-    return device.kernel("moe", "moe_route", _instances()).bind(-(-tokens // 8), 256, [
+    return device.kernel("moe", "moe_route", declared("moe")).bind(-(-tokens // 8), 256, [
         P(idx), P(weight), P(logits), P(bias or 0), P(tid2eid or 0), P(ids or 0), ctypes.c_int(tokens),
         ctypes.c_int(experts), ctypes.c_int(active), ctypes.c_float(scaling)])
 
@@ -112,7 +111,7 @@ def check_layer(d: MoeDims, shared, bias: int | None, tid2eid: int | None, ids: 
 
 
 def kernel(device: Device, expr: str):
-    return device.kernel("moe", expr, _instances())
+    return device.kernel("moe", expr, declared("moe"))
 
 
 def route_and_sort(device: Device, blas: Blas, dtype, d: MoeDims, at: dict[str, int], x: int, gate: int,
@@ -222,8 +221,3 @@ class MoE:
         for launch in self.launches:
             launch(stream)
 
-
-@functools.cache
-def _instances() -> tuple[str, ...]:
-    """Every instantiation moe.cu declares: one module, the one tests/test_build.py compiles."""
-    return tuple(instantiations((source_dir() / "moe.cu").read_text()))

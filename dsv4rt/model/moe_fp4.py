@@ -8,14 +8,14 @@ combine. Each 8-row tile reads its expert's weights once: meant for decode. Not 
 from __future__ import annotations
 
 import ctypes
-import functools
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..cuda.build import instantiations, source_dir
+from ..cuda.build import declared
 from ..cuda.device import Device, Launch
 from ..cuda.ops import storage_name
+from .paged import NOTHING
 from . import fp8
 from .gemm import Blas
 from .moe import MoeDims, check_layer, combine, packed_offsets, route_and_sort, swiglu
@@ -48,10 +48,6 @@ class Fp8Expert(ScaledWeights):
     """The shared expert: e4m3 w1, w3 [inter, dim], w2 [dim, inter] and e8m0 scales per 128 x 128 tile."""
 
 
-@functools.cache
-def _names() -> tuple[str, ...]:
-    return tuple(instantiations((source_dir() / "moe_fp4.cu").read_text()))
-
 
 def routed_tiles(pairs: int, experts: int) -> int:
     """8-row tiles over all experts, whatever the routing: each holds a row, only an expert's last is partial."""
@@ -79,9 +75,9 @@ def expert_gemm(device: Device, out_dtype, out: int, xq: int, x_scale: int, w: i
     if (out_second is None) != (w_second is None) or (w_second is None) != (w_second_scale is None):
         raise ValueError("a second weight comes with its scales and its output")
     if not tiles or not n:
-        return fp8._nothing
+        return NOTHING
     m = 1 if w_second is None else 2
-    kernel = device.kernel("moe_fp4", f"moe_fp4_skinny<{storage_name(out_dtype)},{m}>", _names())
+    kernel = device.kernel("moe_fp4", f"moe_fp4_skinny<{storage_name(out_dtype)},{m}>", declared("moe_fp4"))
     P = ctypes.c_void_p
     args = [P(out), P(out_second or 0), P(xq), P(x_scale), P(perm or 0), ctypes.c_int(active), P(w), P(w_scale),
             P(w_second or 0), P(w_second_scale or 0), P(offsets), P(tile_offsets), ctypes.c_int(experts),

@@ -32,3 +32,6 @@ class LaunchSequence:
     def __call__(self, stream: Stream):
         for launch in self.launches:
             launch(stream)
+
+
+NOTHING = LaunchSequence()  # the launch of an empty batch

@@ -4,7 +4,6 @@ from __future__ import annotations
 import ctypes
 
 from ..cuda.device import Device, Launch
-from ..cuda.driver import check, drv
 
 # Blocks per row (a cluster) by batch rows: each block fills an SM's shared memory, so small batches spread a
 # row over several SMs and large ones give it one; a cluster's blocks share a GPC (16-18 SMs on H200).
@@ -29,16 +28,8 @@ def sample(device: Device, out: int, logits: int, rows: int, vocab: int, tempera
     threads = min(THREADS, max(32, -(-share // 4 // 32) * 32))  # a few logits per thread, whole warps
     capacity = min(MAX_COPIES, -(-share // 32) * 32)
     shared = 12 * capacity
-    _allow_shared(k, shared)
+    k.allow_shared(shared)
     P = ctypes.c_void_p
     return k.bind(rows * c, threads, [P(out), P(logits), ctypes.c_int(vocab), P(temperature), P(top_k), P(top_p),
                                       P(seed), P(step), ctypes.c_int(capacity)], shared=shared)
 
-
-def _allow_shared(kernel, nbytes: int):
-    """Dynamic shared memory beyond 48 KB less the kernel's static share needs the opt-in; only ever raised,
-    since launches bound (and graphs captured) earlier may need more."""
-    d = drv()
-    attr = d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    if nbytes > check(d.cuFuncGetAttribute(attr, kernel.function)):
-        check(d.cuFuncSetAttribute(kernel.function, attr, nbytes))
