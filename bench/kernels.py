@@ -150,6 +150,15 @@ def per_batch(b: Bench, blas: Blas, B: int):
                  n * k + ws.nbytes + B * (k + kb + n * T), 2 * B * n * k)
         for z in (xa, xq, xs, ya, wq, ws):
             z.free()
+    if b.wants("fp8 wo_a"):  # W8A16: the attention output unquantised, e4m3 weight bytes widened in registers
+        k, n = H * HD // G, G * OL
+        xa, wq, ya = b.buf(B * G * k * T), b.buf(n * k), b.buf(B * n * T, fill=False)
+        ws = b.host(np.full((n // 128, -(-k // 128)), 120, np.uint8))
+        b.record("fp8 wo_a grouped 8x4096>1024 w8a16", B, 0,
+                 fp8_k.skinny_gemm(b.dev, BF16, ya.ptr, xa.ptr, 0, wq.ptr, ws.ptr, B, n, k, in_dtype=BF16, group_n=OL),
+                 n * k + ws.nbytes + B * (G * k + n) * T, 2 * B * n * k)
+        for z in (xa, ya, wq, ws):
+            z.free()
     if b.wants("moe"):
         moe(b, blas, B)
     if b.wants("sample"):

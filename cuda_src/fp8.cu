@@ -1,6 +1,8 @@
-// dsv4rt-instantiate: act_quant<float> act_quant<__nv_bfloat16>
-// dsv4rt-instantiate: fp8_skinny_gemm<float,1> fp8_skinny_gemm<float,2>
-// dsv4rt-instantiate: fp8_skinny_gemm<__nv_bfloat16,1> fp8_skinny_gemm<__nv_bfloat16,2>
+// dsv4rt-instantiate: act_quant<float> act_quant<__nv_bfloat16> dequantize_weight<float> dequantize_weight<__nv_bfloat16>
+// dsv4rt-instantiate: fp8_skinny_gemm<float,E4m3Bytes,1> fp8_skinny_gemm<float,E4m3Bytes,2>
+// dsv4rt-instantiate: fp8_skinny_gemm<__nv_bfloat16,E4m3Bytes,1> fp8_skinny_gemm<__nv_bfloat16,E4m3Bytes,2>
+// dsv4rt-instantiate: fp8_skinny_gemm<float,float,1> fp8_skinny_gemm<float,float,2>
+// dsv4rt-instantiate: fp8_skinny_gemm<__nv_bfloat16,__nv_bfloat16,1> fp8_skinny_gemm<__nv_bfloat16,__nv_bfloat16,2>
 #include <cuda_fp8.h>
 #include "common.cuh"
 #include "fp8.cuh"
@@ -8,6 +10,7 @@
 // Faithful-mode fp8 (MODEL.md section 9): the activation quantiser in front of every GEMM whose weight is
 // stored in fp8, and the decode GEMM of such a weight; formats in fp8.cuh.
 constexpr float kE4m3Max = 448.f;
+using E4m3Bytes = unsigned char;  // act_quant-ed activations: a name for the instantiation lists
 
 __device__ __forceinline__ float e8m0_to_float(unsigned b) {
     // 0 is 2^-127, below the normal range; 255 is NaN (as loader.formats.e8m0_to_float32)
@@ -71,30 +74,91 @@ __global__ void __launch_bounds__(256) act_quant(unsigned char* q, unsigned char
     if (lane == 0) scale[static_cast<size_t>(row) * nkb + kb] = static_cast<unsigned char>(byte);
 }
 
-// y [m, n] = Σ over 128-column blocks kb of (xq[:, kb] · wq[:, kb]ᵀ) · x_scale[:, kb] · w_scale[n / 128, kb]:
-// the fp8 linear layer of the faithful mode (twin: reference.ops.Linear with act_quant in front of the
-// dequantised weight) for decode batches. xq [m, k] and x_scale [m, ceil(k/128)] come from act_quant, wq [n, k]
-// and w_scale [ceil(n/128), ceil(k/128)] are the checkpoint's tensors as they are. k must be a multiple of 16
-// and the byte arrays 16-byte aligned.
+// Two e4m3 bytes (low byte first) exactly, NaN included; widened: as the bf16 pair mma takes.
+__device__ __forceinline__ float2 e4m3x2_to_float2(unsigned short v) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(v, __NV_E4M3);
+    return __half22float2(*reinterpret_cast<const __half2*>(&h));
+}
+
+__device__ __forceinline__ unsigned widen_e4m3x2(unsigned short v) {
+    const float2 f = e4m3x2_to_float2(v);
+    const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+    return *reinterpret_cast<const unsigned*>(&b);
+}
+
+__device__ __forceinline__ unsigned bf16x2(float a, float b) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const unsigned*>(&v);
+}
+
+// What a thread loads of activation row g for 16 consecutive weight bytes of k: 16 e4m3 bytes (one 16-byte
+// load, every lane of a quad reading its own), 16 bf16 or 16 float32 values (the W8A16 forms).
+template <typename InT> constexpr int kXLoads = sizeof(InT);
+
+// d += (16 weight bytes of rows g, g + 8) · (the same 16 k of activation row g), in k-slots of this thread
+// alone (see fp8_skinny_gemm). e4m3 activations: two m16n8k32. bf16: four m16n8k16 on the weights widened to
+// bf16 (exact). float32: each value split into three bf16 parts whose sum is the value, products exact in fp32.
+template <typename InT>
+__device__ __forceinline__ void dot16(float (&d)[4], const uint4& w0, const uint4& w1, const uint4 (&a)[kXLoads<InT>]) {
+    if constexpr (sizeof(InT) == 1) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            mma<Mma::e4m3>(d, word(w0, 2 * h), word(w1, 2 * h), word(w0, 2 * h + 1), word(w1, 2 * h + 1),
+                           word(a[0], 2 * h), word(a[0], 2 * h + 1));
+    } else {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const unsigned r0 = word(w0, q), r1 = word(w1, q);
+            const unsigned a0 = widen_e4m3x2(r0 & 0xffff), a1 = widen_e4m3x2(r1 & 0xffff);
+            const unsigned a2 = widen_e4m3x2(r0 >> 16), a3 = widen_e4m3x2(r1 >> 16);
+            if constexpr (sizeof(InT) == 2) {
+                mma<Mma::bf16>(d, a0, a1, a2, a3, word(a[q >> 1], 2 * (q & 1)), word(a[q >> 1], 2 * (q & 1) + 1));
+            } else {
+                float v[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) v[e] = __uint_as_float(word(a[q], e));
+#pragma unroll
+                for (int part = 0; part < 3; ++part) {
+                    const unsigned lo = bf16x2(v[0], v[1]), hi = bf16x2(v[2], v[3]);
+                    mma<Mma::bf16>(d, a0, a1, a2, a3, lo, hi);
+                    const unsigned taken[4] = {lo << 16, lo & 0xffff0000u, hi << 16, hi & 0xffff0000u};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)  // an infinity goes whole into the first part
+                        v[e] = isfinite(v[e]) ? v[e] - __uint_as_float(taken[e]) : 0.f;
+                }
+            }
+        }
+    }
+}
+
+// y [m, n] = Σ over 128-column blocks kb of (x[:, kb] · wq[:, kb]ᵀ) · x_scale[:, kb] · w_scale[n / 128, kb]:
+// the fp8 linear layer of the faithful mode (twin: reference.ops.Linear on the dequantised weight) for decode
+// batches. wq [n, k] and w_scale [ceil(n/128), ceil(k/128)] are the checkpoint's tensors as they are. InT
+// unsigned char: x is act_quant's e4m3 [m, k] with x_scale [m, ceil(k/128)]; bf16 or float32 (W8A16, for the
+// weights whose input the reference does not quantise): x is the activation itself and x_scale unused.
+// Grouped (the output projection): the n columns fall into groups of group_n, and group j of a row reads
+// columns j·k.. of an x row of (n / group_n)·k values (and its scales likewise); group_n = n is one plain GEMM.
+// k must be a multiple of 16, group_n of 16, the arrays 16-byte aligned.
 //
 // A block owns 16 output columns (weight rows) and 8·XT rows (blockIdx.z: rows 8·XT·z..); its warps split
 // the 128-column blocks of k and sum through shared memory at the end. Each warp streams its 16 weight rows
 // with 16-byte loads that bypass L1; the activation rows come through L1, which every warp and block reads
-// alike. Tensor cores (mma m16n8k32 e4m3, fp32 accumulation: weights as the 16-row operand, activations as
-// XT 8-row ones) give each 128-block's dot products, which are then scaled in fp32. A dot product over k
-// does not depend on the order of k, so each thread feeds the mma the 16 consecutive bytes it loaded from
-// each of its rows, wherever the fragment layout would put them: thread (g = lane / 4, t = lane % 4) holds
-// bytes 64j + 16t .. + 15 of a block (j = 0, 1) of weight rows g and g + 8 and of activation row g of each
-// tile; words 2h and 2h + 1 of them fill the k slots 4t.. and 16 + 4t.. of mma (j, h).
-template <typename OutT, int XT>
-__global__ void __launch_bounds__(512) fp8_skinny_gemm(OutT* y, const unsigned char* xq, const unsigned char* x_scale,
+// alike. Tensor cores (weights as the 16-row operand, activations as XT 8-row ones, fp32 accumulation) give
+// each 128-block's dot products, which are then scaled in fp32. A dot product over k does not depend on the
+// order of k, so each thread feeds the mma the 16 consecutive weight bytes it loaded from each of its rows,
+// wherever the fragment layout would put them: thread (g = lane / 4, t = lane % 4) holds bytes 64j + 16t ..
+// + 15 of a block (j = 0, 1) of weight rows g and g + 8 and the same k of activation row g of each tile.
+template <typename OutT, typename InT, int XT>
+__global__ void __launch_bounds__(512) fp8_skinny_gemm(OutT* y, const InT* x, const unsigned char* x_scale,
                                                        const unsigned char* wq, const unsigned char* w_scale, int m,
-                                                       int n, int k) {
+                                                       int n, int k, int group_n) {
     constexpr int ROWS = 8 * XT, U = 2;  // U blocks' weight loads in flight (32 registers)
+    constexpr bool kQuantized = sizeof(InT) == 1;
     extern __shared__ float partial[];   // [warps][ROWS][16]
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int n0 = blockIdx.x * 16, m0 = blockIdx.z * ROWS, nkb = (k + kFp8Block - 1) / kFp8Block;
+    const int groups = n / group_n, group = n0 / group_n;
     const unsigned char* wrow[2];
     bool wok[2];
 #pragma unroll
@@ -102,14 +166,18 @@ __global__ void __launch_bounds__(512) fp8_skinny_gemm(OutT* y, const unsigned c
         wok[r] = n0 + g + 8 * r < n;
         wrow[r] = wq + static_cast<size_t>(wok[r] ? n0 + g + 8 * r : 0) * k;
     }
-    const unsigned char* xrow[XT];
+    const InT* xrow[XT];
+    const unsigned char* srow[XT][2];
     bool xok[XT], sok[XT][2];  // sok: rows 2t and 2t + 1 of the tile, whose scales this thread applies
 #pragma unroll
     for (int i = 0; i < XT; ++i) {
         xok[i] = m0 + 8 * i + g < m;
-        xrow[i] = xq + static_cast<size_t>(xok[i] ? m0 + 8 * i + g : 0) * k;
-        sok[i][0] = m0 + 8 * i + 2 * t < m;
-        sok[i][1] = m0 + 8 * i + 2 * t + 1 < m;
+        xrow[i] = x + (static_cast<size_t>(xok[i] ? m0 + 8 * i + g : 0) * groups + group) * k;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            sok[i][c] = m0 + 8 * i + 2 * t + c < m;
+            srow[i][c] = x_scale + (static_cast<size_t>(sok[i][c] ? m0 + 8 * i + 2 * t + c : 0) * groups + group) * nkb;
+        }
     }
     const unsigned char* ws = w_scale + static_cast<size_t>(n0 / kFp8Block) * nkb;  // 16 divides 128
     const uint4 zero = make_uint4(0, 0, 0, 0);
@@ -132,26 +200,20 @@ __global__ void __launch_bounds__(512) fp8_skinny_gemm(OutT* y, const unsigned c
             const float sw = e8m0_to_float(ws[kb]);
 #pragma unroll
             for (int i = 0; i < XT; ++i) {
-                uint4 a[2];
+                float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
                     const int at = kb * kFp8Block + 64 * j + 16 * t;
-                    a[j] = xok[i] && at < k ? __ldg(reinterpret_cast<const uint4*>(xrow[i] + at)) : zero;
+                    uint4 a[kXLoads<InT>];
+#pragma unroll
+                    for (int l = 0; l < kXLoads<InT>; ++l)
+                        a[l] = xok[i] && at < k ? __ldg(reinterpret_cast<const uint4*>(xrow[i] + at) + l) : zero;
+                    dot16<InT>(d, w[u][0][j], w[u][1][j], a);
                 }
                 float s[2];
 #pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const int at = (m0 + 8 * i + 2 * t + c) * nkb + kb;  // m·nkb is far below 2^31
-                    s[c] = sok[i][c] ? e8m0_to_float(x_scale[at]) * sw : 0.f;
-                }
-                float d[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int j = 0; j < 2; ++j)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h)
-                        mma<Mma::e4m3>(d, word(w[u][0][j], 2 * h), word(w[u][1][j], 2 * h),
-                                       word(w[u][0][j], 2 * h + 1), word(w[u][1][j], 2 * h + 1), word(a[j], 2 * h),
-                                       word(a[j], 2 * h + 1));
+                for (int c = 0; c < 2; ++c)
+                    s[c] = !sok[i][c] ? 0.f : kQuantized ? e8m0_to_float(srow[i][c][kb]) * sw : sw;
 #pragma unroll
                 for (int c = 0; c < 4; ++c) acc[i][c] = fmaf(d[c], s[c & 1], acc[i][c]);
             }
@@ -170,5 +232,23 @@ __global__ void __launch_bounds__(512) fp8_skinny_gemm(OutT* y, const unsigned c
         float sum = 0.f;
         for (int v = 0; v < warps; ++v) sum += partial[v * ROWS * 16 + e];
         y[static_cast<size_t>(row) * n + col] = from_float<OutT>(sum);
+    }
+}
+
+// out [n, k] = wq [n, k] times its e8m0 scale per 128 x 128 tile, exact in float32 and bf16: the prefill
+// form of a W8A16 weight, expanded into a scratch buffer right before its GEMM. Four values a thread.
+template <typename T>
+__global__ void __launch_bounds__(256) dequantize_weight(T* out, const unsigned char* wq, const unsigned char* w_scale,
+                                                         int n, int k) {
+    const long long i = 4 * (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x);
+    if (i >= static_cast<long long>(n) * k) return;
+    const int row = static_cast<int>(i / k), col = static_cast<int>(i % k), nkb = (k + kFp8Block - 1) / kFp8Block;
+    const float s = e8m0_to_float(w_scale[static_cast<size_t>(row / kFp8Block) * nkb + col / kFp8Block]);
+    const unsigned v = *reinterpret_cast<const unsigned*>(wq + i);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const float2 f = e4m3x2_to_float2(static_cast<unsigned short>(v >> (16 * h)));
+        out[i + 2 * h] = from_float<T>(f.x * s);
+        out[i + 2 * h + 1] = from_float<T>(f.y * s);
     }
 }

@@ -1,6 +1,7 @@
 """cuda_src/fp8.cu against the numpy reference (MODEL.md section 9): act_quant byte for byte against
 reference.quant.act_quant, the fp8 decode GEMM against reference.ops.Linear on the dequantised weight with
-act_quant on its input (the faithful fp8 linear layer), at Flash and odd sizes."""
+act_quant on its input (the faithful fp8 linear layer), at Flash and odd sizes; the W8A16 form (wo_a: fp8 weight,
+unquantised input, grouped) against numpy on the dequantised weight, and the weight expansion bit for bit."""
 import functools
 
 import ml_dtypes
@@ -206,6 +207,63 @@ def test_act_quant_then_gemm_in_a_replayed_graph(rt, dev, dtype):
         graph.replay()
         assert rel_rows(fetch(rt, dy, (m, n), np.float32), linear(x)).max() < 1e-2
     graph.close()
+
+
+def grouped_reference(x: np.ndarray, w: np.ndarray, groups: int) -> np.ndarray:
+    """y[:, j·n..] = x[:, j·k..] · w[j·n..]ᵀ in float64, as reference.attention applies wo_a."""
+    xs = np.split(x.astype(np.float64), groups, axis=1)
+    ws = np.split(w.astype(np.float64), groups, axis=0)
+    return np.concatenate([a @ b.T for a, b in zip(xs, ws)], axis=1)
+
+
+WO_A = [(8, 1024, 4096), (2, 32, 64), (3, 48, 80), (1, 1000, 320)]  # groups, columns a group, k: Flash, tiny-a, odd
+
+
+@pytest.mark.parametrize("dtype, tol", [(np.float32, 1e-5), (BF16, 1e-2)])
+@pytest.mark.parametrize("groups, n, k", WO_A)
+@pytest.mark.parametrize("m", [1, 5, 16, 17])
+def test_w8a16_grouped_gemm(rt, dev, dtype, tol, groups, n, k, m):
+    """The float32 build splits its inputs into three bf16 parts, so it keeps float32's precision; bf16 inputs
+    times e4m3 weights are exact products, rounded once to the bf16 output."""
+    from dsv4rt.model import fp8
+    wq, ws, _ = fp8_weight(groups * n, k)
+    x = activations(m, groups * k).astype(dtype)
+    dy = dev(np.full((m, groups * n), np.nan, dtype))
+    fp8.skinny_gemm(rt.device, dtype, dy.ptr, dev(x).ptr, 0, dev(wq).ptr, dev(ws).ptr, m, groups * n, k,
+                    in_dtype=dtype, group_n=n)(rt.stream)
+    want = grouped_reference(x.astype(np.float32), dequant_fp8(wq.view(ml_dtypes.float8_e4m3fn), ws), groups)
+    assert rel_rows(fetch(rt, dy, (m, groups * n), dtype), want).max() < tol
+
+
+def test_w8a16_gemm_passes_inf_and_nan_where_numpy_does(rt, dev):
+    from dsv4rt.model import fp8
+    m, n, k = 4, 256, 256
+    wq, ws, _ = fp8_weight(n, k)
+    x = activations(m, k)
+    x[1, 7], x[2, 100] = np.inf, np.nan
+    dy = dev(np.zeros((m, n), np.float32))
+    fp8.skinny_gemm(rt.device, np.float32, dy.ptr, dev(x).ptr, 0, dev(wq).ptr, dev(ws).ptr, m, n, k,
+                    in_dtype=np.float32)(rt.stream)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = grouped_reference(x, dequant_fp8(wq.view(ml_dtypes.float8_e4m3fn), ws), 1)
+    assert rel_rows(fetch(rt, dy, (m, n), np.float32), want).max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+@pytest.mark.parametrize("n, k", [(8192, 4096), (100, 48), (257, 1040)])
+def test_dequantize_is_exact(rt, dev, dtype, n, k):
+    from dsv4rt.model import fp8
+    wq, ws, _ = fp8_weight(n, k)
+    out = dev(np.full((n, k), np.nan, dtype))
+    fp8.dequantize(rt.device, dtype, out.ptr, dev(wq).ptr, dev(ws).ptr, n, k)(rt.stream)
+    want = dequant_fp8(wq.view(ml_dtypes.float8_e4m3fn), ws)
+    assert fetch(rt, out, (n, k), dtype).tobytes() == want.astype(dtype).tobytes()
+
+
+def test_w8a16_refuses_a_mixed_output_type():
+    from dsv4rt.model import fp8
+    with pytest.raises(ValueError, match="output has its input's dtype"):
+        fp8.skinny_gemm(None, np.float32, 0, 0, 0, 0, 0, 1, 128, 256, in_dtype=BF16)
 
 
 def test_skinny_gemm_refuses_k_off_16_bytes():

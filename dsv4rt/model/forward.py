@@ -25,10 +25,10 @@ from . import fp8, moe_fp4
 from . import hc as hc_k
 from . import sample as sample_k
 from .inputs import StepInputs
-from .paged import PagedCache
+from .paged import LaunchSequence, PagedCache
 from .tables import PageTables
 from .gemm import Blas, grouped_linear, linear
-from .linear_fp8 import linear_fp8, released_formats
+from .linear_fp8 import SKINNY_ROWS, linear_fp8, released_formats
 from .moe import ExpertWeights, MoE, MoeDims, pointer_table, workspace_bytes
 from .moe_fp4 import Fp4Experts, Fp4MoE, Fp8Expert
 from .weights import load_weights
@@ -139,6 +139,8 @@ class GpuModel:
             if self.fp8_attention else {}
         quantized = {f"{x}_{part}": T * (k if part == "q" else fp8.scale_columns(k))
                      for x, k in widths.items() for part in ("q", "s")}
+        fp8_wo_a = any(scale_name(f"layers.{i}.attn.wo_a.weight") in self.w for i in range(c.num_layers))
+        expanded = dict(wo_a=c.o_lora_rank * c.num_heads * hd * s) if fp8_wo_a and T > SKINNY_ROWS else {}
         self.inputs = StepInputs(T)
         fused = min(T, hc_k.decode_tokens(self.rt.device))  # rows of the second streams, post and comb (_hc_pre)
         self.ws = Workspace(self.rt.arena, dict(
@@ -149,7 +151,7 @@ class GpuModel:
             ia=T * 2 * c.index_head_dim * 4, iz=T * 2 * c.index_head_dim * 4,
             iq=T * c.index_n_heads * c.index_head_dim * s, iw=T * c.index_n_heads * 4, scores=T * n_max * 4,
             selected=T * c.index_topk * 4, o=T * c.num_heads * hd * s, t=T * c.o_groups * c.o_lora_rank * s,
-            f=T * D * s, y=T * D * s, logits=T * c.vocab_size * 4, moe=moe_bytes, **quantized,
+            f=T * D * s, y=T * D * s, logits=T * c.vocab_size * 4, moe=moe_bytes, **quantized, **expanded,
             hc_pre=hc_k.pre_workspace_bytes(T, c.hc_mult, D),
             att=max(attn_k.attention_workspace_bytes(t, c.num_heads, hd, self._splits(i, t))  # splits = 1 beyond
                     for t in range(1, min(T, 2 * self.rt.device.sm_count) + 1)    # 2·sm_count rows
@@ -296,9 +298,7 @@ class GpuModel:
         attention(dev, dt, ws["o"], ws["q"], ws["pos"], ws["req"], W[a + "attn_sink"].ptr, self.inv_freq[i], window,
                   compressed, selected, rows=T, heads=H, head_dim=hd, rope_dim=rd, window_size=c.window, ratio=ratio,
                   top_k=c.index_topk, splits=self._splits(i, T), workspace=ws["att"], fp8_kv=self.faithful)(st)
-        G = c.o_groups
-        grouped_linear(self.blas, dt, ws["o"], W[a + "wo_a.weight"].ptr, ws["t"], T, G, c.o_lora_rank,
-                       H * hd // G)(st)
+        self._output_projection(a + "wo_a.weight", T)(st)
         self._linear(a + "wo_b.weight", "t", "f", T, c.hidden_size, G * c.o_lora_rank)(st)
         self._hc_post(T)
         self._hc_pre(p + "hc_ffn", p + "ffn_norm.weight", T)
@@ -324,6 +324,20 @@ class GpuModel:
         q = quantized_as or x
         return linear_fp8(self.rt.device, self.dtype, ws[x], W[weight].ptr, scale.ptr, ws[y], m, n, k,
                           xq=ws[q + "_q"], xs=ws[q + "_s"], quantized=quantized)
+
+    def _output_projection(self, weight: str, T: int):
+        """ws[t] = wo_a applied per group to ws[o]. Stored in fp8 (the reference quantises none of its inputs):
+        decode batches stream it through the W8A16 GEMM, prefill batches expand it into ws[wo_a] for cuBLAS."""
+        c, ws, W, dt = self.cfg, self.ws, self.w, self.dtype
+        G, n, k = c.o_groups, c.o_lora_rank, c.num_heads * c.head_dim // c.o_groups
+        scale = W.get(scale_name(weight))
+        if scale is None:
+            return grouped_linear(self.blas, dt, ws["o"], W[weight].ptr, ws["t"], T, G, n, k)
+        if T <= SKINNY_ROWS:
+            return fp8.skinny_gemm(self.rt.device, dt, ws["t"], ws["o"], 0, W[weight].ptr, scale.ptr, T, G * n, k,
+                                   in_dtype=dt, group_n=n)
+        return LaunchSequence(fp8.dequantize(self.rt.device, dt, ws["wo_a"], W[weight].ptr, scale.ptr, G * n, k),
+                              grouped_linear(self.blas, dt, ws["o"], ws["wo_a"], ws["t"], T, G, n, k))
 
     def _indexer(self, i: int, T: int) -> Event:
         """The indexer branch on its own stream, from the fork (xn ready) and q_ready (qr ready) events;

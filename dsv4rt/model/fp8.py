@@ -3,10 +3,13 @@ section 9; twins: reference.quant.act_quant, and reference.ops.Linear with act_q
 
 Every fp8 array is raw bytes (uint8): e4m3 values [rows, k]; e8m0 scales 2^(byte − 127), one per 128 columns
 of a row for activations ([rows, ceil(k/128)]), one per 128 x 128 tile for weights (the checkpoint's
-[ceil(n/128), ceil(k/128)]). Not yet part of GpuModel."""
+[ceil(n/128), ceil(k/128)]). The decode GEMM also takes unquantised inputs (W8A16: wo_a, whose input the
+reference does not quantise), and dequantize expands such a weight for prefill GEMMs."""
 from __future__ import annotations
 
 import ctypes
+
+import numpy as np
 
 from ..cuda.build import declared
 from ..cuda.device import Device, Launch
@@ -43,19 +46,37 @@ def gemm_warps(k: int) -> int:
     return max(1, min(MAX_GEMM_WARPS, -(-scale_columns(k) // BLOCKS_PER_WARP)))
 
 
-def skinny_gemm(device: Device, out_dtype, y: int, xq: int, x_scale: int, w: int, w_scale: int, m: int, n: int,
-                k: int) -> Launch:
-    """y [m, n] (float32 or bfloat16) = dequant(xq, x_scale) · dequant(w, w_scale)ᵀ, summed per 128-column
-    block in fp32, for decode batches (m up to 16 in one pass over the weight; larger m read it once per
-    16 rows). xq/x_scale from act_quant; w/w_scale the checkpoint's e4m3 weight [n, k] and its e8m0 scales.
-    k must be a multiple of 16 and every array 16-byte aligned."""
-    if k % 16:
-        raise ValueError(f"the fp8 GEMM needs k to be a multiple of 16, got {k}")
+def skinny_gemm(device: Device, out_dtype, y: int, x: int, x_scale: int, w: int, w_scale: int, m: int, n: int,
+                k: int, *, in_dtype=None, group_n: int | None = None) -> Launch:
+    """y [m, n] (float32 or bfloat16) = x · dequant(w, w_scale)ᵀ, summed per 128-column block in fp32, for decode
+    batches (m up to 16 in one pass over the weight; larger m read it once per 16 rows); w/w_scale the
+    checkpoint's e4m3 weight [n, k] and its e8m0 scales. in_dtype None: x is act_quant's e4m3 [m, k] with its
+    scales x_scale; the output's dtype: x itself (W8A16; x_scale unused). group_n: the n columns fall into
+    groups of group_n, group j reading columns j·k.. of x rows of (n / group_n)·k values (the grouped output
+    projection). k and group_n must be multiples of 16 (group_n of 128 with act_quant-ed x), every array
+    16-byte aligned."""
+    group_n = group_n or n
+    if k % 16 or group_n % 16 or n % group_n:
+        raise ValueError(f"the fp8 GEMM needs k and the group's columns to be multiples of 16, got k={k}, "
+                         f"n={n} in groups of {group_n}")
+    if in_dtype is not None and np.dtype(in_dtype) != np.dtype(out_dtype):
+        raise ValueError("a W8A16 GEMM's output has its input's dtype")
     if m == 0 or n == 0:
         return NOTHING
     tiles = 1 if m <= 8 else 2  # 8-row activation tiles of a block
     warps = gemm_warps(k)
-    kernel = device.kernel("fp8", f"fp8_skinny_gemm<{storage_name(out_dtype)},{tiles}>", declared("fp8"))
-    args = [ctypes.c_void_p(p) for p in (y, xq, x_scale, w, w_scale)] + [ctypes.c_int(v) for v in (m, n, k)]
+    x_type = "E4m3Bytes" if in_dtype is None else storage_name(in_dtype)
+    kernel = device.kernel("fp8", f"fp8_skinny_gemm<{storage_name(out_dtype)},{x_type},{tiles}>", declared("fp8"))
+    args = [ctypes.c_void_p(p) for p in (y, x, x_scale, w, w_scale)] + [ctypes.c_int(v) for v in (m, n, k, group_n)]
     grid = (-(-n // GEMM_COLUMNS), 1, -(-m // (8 * tiles)))
     return kernel.bind(grid, 32 * warps, args, shared=warps * 8 * tiles * GEMM_COLUMNS * 4)
+
+
+def dequantize(device: Device, dtype, out: int, w: int, w_scale: int, n: int, k: int) -> Launch:
+    """out [n, k] (float32 or bfloat16) = the e4m3 weight w [n, k] times its e8m0 scale per 128 x 128 tile, exact:
+    a W8A16 weight expanded for a prefill GEMM. k must be a multiple of 4, w 4-byte aligned."""
+    if k % 4 or w % 4:
+        raise ValueError(f"dequantize needs k to be a multiple of 4 and an aligned weight, got k={k}")
+    kernel = device.kernel("fp8", f"dequantize_weight<{storage_name(dtype)}>", declared("fp8"))
+    args = [ctypes.c_void_p(out), ctypes.c_void_p(w), ctypes.c_void_p(w_scale), ctypes.c_int(n), ctypes.c_int(k)]
+    return kernel.bind(-(-n * k // (4 * 256)), 256, args)

@@ -14,12 +14,12 @@ from ..cuda.device import Device, Launch
 from ..loader import Checkpoint, expected_shapes
 from . import fp8, gemm_fp8
 from .paged import LaunchSequence
-from .weights import DEQUANTIZED
 
 SKINNY_ROWS = 16      # fp8.skinny_gemm reads the weight once for up to 16 rows
 _ATTENTION = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_b|indexer\.wq_b)\.weight$")
 _ROUTED = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
 _SHARED = re.compile(r"\.ffn\.shared_experts\.w[123]\.weight$")
+_OUTPUT = re.compile(r"\.attn\.wo_a\.weight$")   # fp8 as released, its input unquantised: the W8A16 GEMM
 
 
 def fp8_gemm(device: Device, out_dtype, y: int, xq: int, xs: int, w: int, w_scale: int, m: int, n: int,
@@ -47,16 +47,16 @@ def released_formats(ck: Checkpoint) -> tuple[bool, bool]:
     """(attention fp8, experts quantised): whether the attention GEMMs that the official code quantises (wq_a,
     wq_b, wkv, wo_b, indexer.wq_b) are all stored in fp8, and whether the routed experts are all packed fp4 with
     the shared expert in fp8, as released. Either group may also be stored unquantised (act_quant then does not
-    apply, as in the reference); any other mix, or any other quantised weight, has no kernel here. The DEQUANTIZED
-    weights (wo_a, fp8 as released) may be stored either way: the upload dequantises them."""
+    apply, as in the reference); any other mix, or any other quantised weight, has no kernel here. wo_a may be
+    stored in fp8 (as released) or unquantised, layer by layer."""
     names = list(expected_shapes(ck.config))
 
     def stored(pattern) -> set:
         return {ck.quant_format(n) for n in names if pattern.search(n)}
 
     attention, routed, shared = stored(_ATTENTION), stored(_ROUTED), stored(_SHARED)
-    others = sorted(n for n in names if ck.is_quantized(n) and not any(
-        p.search(n) for p in (_ATTENTION, _ROUTED, _SHARED, DEQUANTIZED)))
+    others = sorted(n for n in names if ck.is_quantized(n) and (ck.quant_format(n) != "fp8" or not _OUTPUT.search(n))
+                    and not any(p.search(n) for p in (_ATTENTION, _ROUTED, _SHARED)))
     experts = (routed, shared or {None})
     if attention not in ({None}, {"fp8"}) or experts not in (({None}, {None}), ({"fp4"}, {"fp8"})) or others:
         detail = f"{others[0]} is stored quantised" if others else \

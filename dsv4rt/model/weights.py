@@ -2,8 +2,6 @@
 fp8/fp4 weights and their block scales as released."""
 from __future__ import annotations
 
-import re
-
 import ml_dtypes
 import numpy as np
 
@@ -14,9 +12,6 @@ from ..loader.upload import DeviceWeights, upload
 # Kept in float32 whatever the build: the kernels read them as float (norm weights, mHC, ape, sinks, bias).
 _FLOAT32_SUFFIXES = ("norm.weight", ".ape", ".attn_sink", "gate.bias")
 E8M0 = DTYPES["F8_E8M0"]
-# Stored fp8 but uploaded dequantised even when raw: its input is not act_quant-ed (MODEL.md 9) and no kernel
-# multiplies an fp8 weight by unquantised inputs yet; e4m3 times a power of two is exact in bf16 and float32.
-DEQUANTIZED = re.compile(r"\.attn\.wo_a\.weight$")
 
 
 def stays_float32(name: str) -> bool:
@@ -35,20 +30,15 @@ def e8m0_bytes(scale: np.ndarray, name: str) -> np.ndarray:
     return byte.astype(np.uint8).view(E8M0)
 
 
-def kept_quantized(ck: Checkpoint, name: str) -> bool:
-    """Whether a raw upload holds this weight as stored."""
-    return ck.is_quantized(name) and not DEQUANTIZED.search(name)
-
-
 class Converted:
     """The upload source: each tensor dequantised and cast to the build's storage type. With `keep_quantized`,
-    fp8 e4m3 and packed fp4 e2m1 weights but the DEQUANTIZED ones stay as stored, joined by their `.scale`
+    fp8 e4m3 and packed fp4 e2m1 weights stay as stored, joined by their `.scale`
     tensors as e8m0."""
 
     def __init__(self, ck: Checkpoint, dtype, keep_quantized: bool = False):
         self.ck, self.dtype = ck, np.dtype(dtype)
         self._names = list(expected_shapes(ck.config))
-        quantized = [n for n in self._names if keep_quantized and kept_quantized(ck, n)]
+        quantized = [n for n in self._names if keep_quantized and ck.is_quantized(n)]
         self._stored = set(quantized)
         self._scales = {scale_name(n) for n in quantized}
         self._names += sorted(self._scales)
@@ -73,8 +63,8 @@ class Converted:
 
 
 def load_weights(ck: Checkpoint, dtype, arena, stream, raw: bool = False) -> DeviceWeights:
-    """Every tensor the model needs in the build's storage type. raw: fp8/fp4 weights but the DEQUANTIZED ones byte
-    for byte as stored (e4m3 [out, in]; int8 [out, in/2], low nibble = even column) and, under their official
+    """Every tensor the model needs in the build's storage type. raw: fp8/fp4 weights byte for byte as
+    stored (e4m3 [out, in]; int8 [out, in/2], low nibble = even column) and, under their official
     `.scale` names, their e8m0 scales (per 128 x 128 tile; per 1 x 32), with no dequantised copy; every other tensor
     as without."""
     if np.dtype(dtype) not in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)):
