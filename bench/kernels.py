@@ -157,7 +157,10 @@ def per_batch(b: Bench, blas: Blas, B: int):
         b.record("fp8 wo_a grouped 8x4096>1024 w8a16", B, 0,
                  fp8_k.skinny_gemm(b.dev, BF16, ya.ptr, xa.ptr, 0, wq.ptr, ws.ptr, B, n, k, in_dtype=BF16, group_n=OL),
                  n * k + ws.nbytes + B * (G * k + n) * T, 2 * B * n * k)
-        for z in (xa, ya, wq, ws):
+        wa = b.buf(n * k * T, fill=False)   # the prefill form: expanded to bf16 for cuBLAS
+        b.record("fp8 wo_a dequantize", B, 0, fp8_k.dequantize(b.dev, BF16, wa.ptr, wq.ptr, ws.ptr, n, k),
+                 n * k * (1 + T) + ws.nbytes)
+        for z in (xa, ya, wq, ws, wa):
             z.free()
     if b.wants("moe"):
         moe(b, blas, B)

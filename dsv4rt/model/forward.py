@@ -299,7 +299,7 @@ class GpuModel:
                   compressed, selected, rows=T, heads=H, head_dim=hd, rope_dim=rd, window_size=c.window, ratio=ratio,
                   top_k=c.index_topk, splits=self._splits(i, T), workspace=ws["att"], fp8_kv=self.faithful)(st)
         self._output_projection(a + "wo_a.weight", T)(st)
-        self._linear(a + "wo_b.weight", "t", "f", T, c.hidden_size, G * c.o_lora_rank)(st)
+        self._linear(a + "wo_b.weight", "t", "f", T, c.hidden_size, c.o_groups * c.o_lora_rank)(st)
         self._hc_post(T)
         self._hc_pre(p + "hc_ffn", p + "ffn_norm.weight", T)
         f = p + "ffn."

@@ -53,12 +53,13 @@ def skinny_gemm(device: Device, out_dtype, y: int, x: int, x_scale: int, w: int,
     checkpoint's e4m3 weight [n, k] and its e8m0 scales. in_dtype None: x is act_quant's e4m3 [m, k] with its
     scales x_scale; the output's dtype: x itself (W8A16; x_scale unused). group_n: the n columns fall into
     groups of group_n, group j reading columns j·k.. of x rows of (n / group_n)·k values (the grouped output
-    projection). k and group_n must be multiples of 16 (group_n of 128 with act_quant-ed x), every array
+    projection). k must be a multiple of 16 and so must group_n when grouped (of 128 with act_quant-ed x), every array
     16-byte aligned."""
     group_n = group_n or n
-    if k % 16 or group_n % 16 or n % group_n:
-        raise ValueError(f"the fp8 GEMM needs k and the group's columns to be multiples of 16, got k={k}, "
-                         f"n={n} in groups of {group_n}")
+    if k % 16:
+        raise ValueError(f"the fp8 GEMM needs k to be a multiple of 16, got {k}")
+    if group_n != n and (group_n % 16 or n % group_n):
+        raise ValueError(f"a grouped fp8 GEMM needs groups of a multiple of 16 columns, got {n} in groups of {group_n}")
     if in_dtype is not None and np.dtype(in_dtype) != np.dtype(out_dtype):
         raise ValueError("a W8A16 GEMM's output has its input's dtype")
     if m == 0 or n == 0:
