@@ -242,19 +242,24 @@ __global__ void __launch_bounds__(512) fp8_skinny_gemm(OutT* y, const InT* x, co
 }
 
 // out [n, k] = wq [n, k] times its e8m0 scale per 128 x 128 tile, exact in float32 and bf16: the prefill
-// form of a W8A16 weight, expanded into a scratch buffer right before its GEMM. Four values a thread.
+// form of a W8A16 weight, expanded into a scratch buffer right before its GEMM. 16 values a thread, all under
+// one scale (k is a multiple of 16), read and written in 16-byte accesses.
 template <typename T>
 __global__ void __launch_bounds__(256) dequantize_weight(T* out, const unsigned char* wq, const unsigned char* w_scale,
                                                          int n, int k) {
-    const long long i = 4 * (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x);
+    const long long i = 16 * (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x);
     if (i >= static_cast<long long>(n) * k) return;
     const int row = static_cast<int>(i / k), col = static_cast<int>(i % k), nkb = (k + kFp8Block - 1) / kFp8Block;
     const float s = e8m0_to_float(w_scale[static_cast<size_t>(row / kFp8Block) * nkb + col / kFp8Block]);
-    const unsigned v = *reinterpret_cast<const unsigned*>(wq + i);
+    const uint4 v = *reinterpret_cast<const uint4*>(wq + i);
+    alignas(16) T values[16];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const float2 f = e4m3x2_to_float2(static_cast<unsigned short>(v >> (16 * h)));
-        out[i + 2 * h] = from_float<T>(f.x * s);
-        out[i + 2 * h + 1] = from_float<T>(f.y * s);
+    for (int h = 0; h < 8; ++h) {
+        const float2 f = e4m3x2_to_float2(static_cast<unsigned short>(word(v, h >> 1) >> (16 * (h & 1))));
+        values[2 * h] = from_float<T>(f.x * s);
+        values[2 * h + 1] = from_float<T>(f.y * s);
     }
+#pragma unroll
+    for (int j = 0; j < static_cast<int>(sizeof(T)); ++j)
+        reinterpret_cast<uint4*>(out + i)[j] = reinterpret_cast<const uint4*>(values)[j];
 }

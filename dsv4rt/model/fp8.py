@@ -75,9 +75,9 @@ def skinny_gemm(device: Device, out_dtype, y: int, x: int, x_scale: int, w: int,
 
 def dequantize(device: Device, dtype, out: int, w: int, w_scale: int, n: int, k: int) -> Launch:
     """out [n, k] (float32 or bfloat16) = the e4m3 weight w [n, k] times its e8m0 scale per 128 x 128 tile, exact:
-    a W8A16 weight expanded for a prefill GEMM. k must be a multiple of 4, w 4-byte aligned."""
-    if k % 4 or w % 4:
-        raise ValueError(f"dequantize needs k to be a multiple of 4 and an aligned weight, got k={k}")
+    a W8A16 weight expanded for a prefill GEMM. k must be a multiple of 16, w and out 16-byte aligned."""
+    if k % 16 or w % 16 or out % 16:
+        raise ValueError(f"dequantize needs k to be a multiple of 16 and aligned arrays, got k={k}")
     kernel = device.kernel("fp8", f"dequantize_weight<{storage_name(dtype)}>", declared("fp8"))
     args = [ctypes.c_void_p(out), ctypes.c_void_p(w), ctypes.c_void_p(w_scale), ctypes.c_int(n), ctypes.c_int(k)]
-    return kernel.bind(-(-n * k // (4 * 256)), 256, args)
+    return kernel.bind(-(-n * k // (16 * 256)), 256, args)
