@@ -19,7 +19,8 @@ from .paged import NOTHING
 BLOCK = 128            # kFp8Block: columns per scale
 QUANT_WARPS = 8        # act_quant: one warp per 128-column block of a row
 GEMM_COLUMNS = 16      # output columns (weight rows) of a GEMM block
-MAX_GEMM_WARPS = 4     # a sweep on the H200 (k 4096, 8192 x 4096 e4m3, m 1-16): 4 warps 12.0-17.7 us, 16 warps 16.8-22.7
+MAX_GEMM_WARPS = 16    # __launch_bounds__(512)
+WIDE_WARPS = 4         # blocks of weights with many rows (wide_blocks)
 BLOCKS_PER_WARP = 2    # kernel's U: 128-column blocks whose weight loads a warp has in flight at once
 
 
@@ -40,11 +41,14 @@ def act_quant(device: Device, dtype, q: int, scale: int, x: int, rows: int, k: i
     return kernel.bind(-(-tasks // QUANT_WARPS), 32 * QUANT_WARPS, args)
 
 
-def gemm_warps(k: int) -> int:
+def gemm_warps(k: int, n: int, sm_count: int) -> int:
     """Warps of a GEMM block, which split its 128-column blocks: enough for every warp to keep
-    BLOCKS_PER_WARP of them in flight, at most 4 (small blocks, four of them a multiprocessor, overlap one another's
-    loads and sums; Flash: 4 for every k)."""
-    return max(1, min(MAX_GEMM_WARPS, -(-scale_columns(k) // BLOCKS_PER_WARP)))
+    BLOCKS_PER_WARP of them in flight (Flash: k 1024 → 4, 4096 → 16, 8192 → 16). Weights of at least
+    3·sm_count 16-row blocks take WIDE_WARPS: small blocks, several a multiprocessor, overlap one another's loads
+    and sums (H200, 8192 x 4096 e4m3 at m 1: 12.0 us with 4 warps, 16.8 with 16; 4096 x 8192: 13.2 with 16,
+    17.1 with 4)."""
+    most = WIDE_WARPS if -(-n // GEMM_COLUMNS) >= 3 * sm_count else MAX_GEMM_WARPS
+    return max(1, min(most, -(-scale_columns(k) // BLOCKS_PER_WARP)))
 
 
 def skinny_gemm(device: Device, out_dtype, y: int, x: int, x_scale: int, w: int, w_scale: int, m: int, n: int,
@@ -66,7 +70,7 @@ def skinny_gemm(device: Device, out_dtype, y: int, x: int, x_scale: int, w: int,
     if m == 0 or n == 0:
         return NOTHING
     tiles = 1 if m <= 8 else 2  # 8-row activation tiles of a block
-    warps = gemm_warps(k)
+    warps = gemm_warps(k, n, device.sm_count)
     x_type = "E4m3Bytes" if in_dtype is None else storage_name(in_dtype)
     kernel = device.kernel("fp8", f"fp8_skinny_gemm<{storage_name(out_dtype)},{x_type},{tiles}>", declared("fp8"))
     args = [ctypes.c_void_p(p) for p in (y, x, x_scale, w, w_scale)] + [ctypes.c_int(v) for v in (m, n, k, group_n)]
