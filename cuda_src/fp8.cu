@@ -1,9 +1,9 @@
-// dsv4rt-instantiate: act_quant<float> act_quant<__nv_bfloat16> dequantize_weight<float> dequantize_weight<__nv_bfloat16>
+// dsv4rt-instantiate: act_quant<float> act_quant<__nv_bfloat16>
+// dsv4rt-instantiate: dequantize_weight<float> dequantize_weight<__nv_bfloat16>
 // dsv4rt-instantiate: fp8_skinny_gemm<float,E4m3Bytes,1> fp8_skinny_gemm<float,E4m3Bytes,2>
 // dsv4rt-instantiate: fp8_skinny_gemm<__nv_bfloat16,E4m3Bytes,1> fp8_skinny_gemm<__nv_bfloat16,E4m3Bytes,2>
 // dsv4rt-instantiate: fp8_skinny_gemm<float,float,1> fp8_skinny_gemm<float,float,2>
 // dsv4rt-instantiate: fp8_skinny_gemm<__nv_bfloat16,__nv_bfloat16,1> fp8_skinny_gemm<__nv_bfloat16,__nv_bfloat16,2>
-#include <cuda_fp8.h>
 #include "common.cuh"
 #include "fp8.cuh"
 
@@ -11,11 +11,6 @@
 // stored in fp8, and the decode GEMM of such a weight; formats in fp8.cuh.
 constexpr float kE4m3Max = 448.f;
 using E4m3Bytes = unsigned char;  // act_quant-ed activations: a name for the instantiation lists
-
-__device__ __forceinline__ float e8m0_to_float(unsigned b) {
-    // 0 is 2^-127, below the normal range; 255 is NaN (as loader.formats.e8m0_to_float32)
-    return b == 255 ? __uint_as_float(0x7fc00000u) : b == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(b << 23);
-}
 
 // Four elements of T in one access (p aligned to four elements).
 template <typename T> struct alignas(4 * sizeof(T)) Quad { T e[4]; };
@@ -74,12 +69,6 @@ __global__ void __launch_bounds__(256) act_quant(unsigned char* q, unsigned char
     if (lane == 0) scale[static_cast<size_t>(row) * nkb + kb] = static_cast<unsigned char>(byte);
 }
 
-// Two e4m3 bytes (low byte first) exactly, NaN included.
-__device__ __forceinline__ float2 e4m3x2_to_float2(unsigned short v) {
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(v, __NV_E4M3);
-    return __half22float2(*reinterpret_cast<const __half2*>(&h));
-}
-
 // Bytes 2h and 2h + 1 of four e4m3 values as a bf16 pair, by moving bits (conversion instructions run at a quarter
 // of the rate and kept the W8A16 GEMM at half the bandwidth): sign and the seven magnitude bits land where bf16
 // keeps them, which reads the value times 2^-120 (subnormals included), and one exact bf16 multiply restores it.
@@ -90,11 +79,6 @@ __device__ __forceinline__ unsigned widen_e4m3x2(unsigned v, int h) {
     const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&b),
                                      __floats2bfloat162_rn(0x1p120f, 0x1p120f));
     return *reinterpret_cast<const unsigned*>(&r);
-}
-
-__device__ __forceinline__ unsigned bf16x2(float a, float b) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<const unsigned*>(&v);
 }
 
 // What a thread loads of activation row g for 16 consecutive weight bytes of k: 16 e4m3 bytes (one 16-byte
@@ -255,7 +239,7 @@ __global__ void __launch_bounds__(256) dequantize_weight(T* out, const unsigned 
     alignas(16) T values[16];
 #pragma unroll
     for (int h = 0; h < 8; ++h) {
-        const float2 f = e4m3x2_to_float2(static_cast<unsigned short>(word(v, h >> 1) >> (16 * (h & 1))));
+        const float2 f = e4m3x2_value(static_cast<unsigned short>(word(v, h >> 1) >> (16 * (h & 1))));
         values[2 * h] = from_float<T>(f.x * s);
         values[2 * h + 1] = from_float<T>(f.y * s);
     }

@@ -27,11 +27,6 @@ template <int WG> constexpr int kStageBytes = (kWgRows * WG + kTileN) * kFp8Bloc
 // cuTensorMapEncodeTiled's opaque 128 bytes, passed by value.
 struct alignas(64) TensorMap { unsigned long long opaque[16]; };
 
-__device__ __forceinline__ float e8m0_value(unsigned b) {
-    // as fp8.cu's e8m0_to_float: 0 is 2^-127, 255 is NaN
-    return b == 255 ? __uint_as_float(0x7fc00000u) : b == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(b << 23);
-}
-
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
@@ -154,7 +149,7 @@ __global__ void __launch_bounds__(128 * WG + 32, 3 - WG)
             wgmma_m64n128k32(part, smem_desc(a + ks * kWgmmaK), smem_desc(b + ks * kWgmmaK), ks);
         asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;" ::: "memory");
         if (lane == 0) mbar_arrive(empty + 8 * s);
-        const float sw = e8m0_value(wb), s0 = e8m0_value(xb0) * sw, s1 = e8m0_value(xb1) * sw;
+        const float sw = e8m0_to_float(wb), s0 = e8m0_to_float(xb0) * sw, s1 = e8m0_to_float(xb1) * sw;
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], i & 2 ? s1 : s0, acc[i]);
     }

@@ -11,8 +11,8 @@
 // Rows are warp-distributed as in attention.cuh, so one 64-dim scale block is the same chunk of 64 / kVec<T>
 // adjacent lanes and its maximum is a shuffle among them.
 #pragma once
-#include <cuda_fp8.h>
 #include "attention.cuh"
+#include "fp8.cuh"
 
 constexpr int kKvBlock = 64;  // nope dims per scale
 
@@ -35,13 +35,6 @@ __device__ __forceinline__ float e8m0_value(unsigned byte) { return __uint_as_fl
 // Round to nearest even (|x| <= 448 by the choice of scale).
 __device__ __forceinline__ unsigned short e4m3x2(float a, float b) {
     return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-}
-__device__ __forceinline__ float2 e4m3x2_value(unsigned short codes) {
-    return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(codes, __NV_E4M3)));
-}
-__device__ __forceinline__ unsigned bf16x2(float lo, float hi) {
-    const unsigned l = __bfloat16_as_ushort(__float2bfloat16_rn(lo)), h = __bfloat16_as_ushort(__float2bfloat16_rn(hi));
-    return l | h << 16;
 }
 // Eight values times inv as e4m3 codes, lowest address first.
 __device__ __forceinline__ uint2 e4m3x8(const float (&v)[8], float inv) {

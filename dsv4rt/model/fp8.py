@@ -20,7 +20,7 @@ BLOCK = 128            # kFp8Block: columns per scale
 QUANT_WARPS = 8        # act_quant: one warp per 128-column block of a row
 GEMM_COLUMNS = 16      # output columns (weight rows) of a GEMM block
 MAX_GEMM_WARPS = 16    # __launch_bounds__(512)
-WIDE_WARPS = 4         # blocks of weights with many rows (wide_blocks)
+WIDE_WARPS = 4         # blocks of weights with many rows (gemm_warps)
 BLOCKS_PER_WARP = 2    # kernel's U: 128-column blocks whose weight loads a warp has in flight at once
 
 
@@ -58,8 +58,8 @@ def skinny_gemm(device: Device, out_dtype, y: int, x: int, x_scale: int, w: int,
     checkpoint's e4m3 weight [n, k] and its e8m0 scales. in_dtype None: x is act_quant's e4m3 [m, k] with its
     scales x_scale; the output's dtype: x itself (W8A16; x_scale unused). group_n: the n columns fall into
     groups of group_n, group j reading columns j·k.. of x rows of (n / group_n)·k values (the grouped output
-    projection). k must be a multiple of 16 and so must group_n when grouped (of 128 with act_quant-ed x), every array
-    16-byte aligned."""
+    projection). k must be a multiple of 16, and so must group_n when grouped (of 128 with act_quant-ed x); every
+    array 16-byte aligned."""
     group_n = group_n or n
     if k % 16:
         raise ValueError(f"the fp8 GEMM needs k to be a multiple of 16, got {k}")
