@@ -90,7 +90,8 @@ def noisy(ref, seed=1):
 
 
 def cases(root):
-    from dsv4rt.tiny import _BASE, make_tiny, write_random_checkpoint
+    from dsv4rt.presets import _BASE
+    from dsv4rt.tiny import make_tiny, write_random_checkpoint
     f = dict(np.load(TINY_A / "faithful_fp32.npz"))
     official = make_tiny(root / "official", "tiny", 3, fmt="official")
     mid = write_random_checkpoint(root / "mid", dict(_BASE, **MID), 1, tokenizer=False, fmt="official")

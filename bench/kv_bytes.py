@@ -1,4 +1,4 @@
-"""KV cache bytes per token as the allocator hands them out, against `dsv4rt plan` and MODEL.md section 12.
+"""KV cache bytes per token as the allocator hands them out, against `dsv4rt plan` and docs/caches.md#bytes-per-token.
 
 One sequence is grown to the context (a prefill in 4096-token chunks, then decode steps) in a block
 manager over a host-only slab allocator; the bytes it holds are counted from the allocator's pages.
@@ -44,7 +44,7 @@ def main():
     ap.add_argument("--context", type=int, default=1 << 20)
     a = ap.parse_args()
     rows = [measure(n, x, a.context) for n in ("flash", "pro") for x in ("exact", "faithful")]
-    print("| model | numerics | held GiB | held B/token | plan B/token | plan GiB | MODEL.md GiB |")
+    print("| model | numerics | held GiB | held B/token | plan B/token | plan GiB | docs GiB |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['numerics']} | {r['held_gib']:.4f} | {r['held_bytes_per_token']:.2f} | "

@@ -4,7 +4,7 @@
 #include "compress.cuh"
 #include "indexer_fp4.cuh"
 
-// The KV compressor of MODEL.md section 5 fused with its RMSNorm, RoPE and cache insert.
+// The KV compressor of docs/model.md#compressor fused with its RMSNorm, RoPE and cache insert.
 //
 // Rows t of the launch are tokens: req[t] (< 0: a padding row) and pos[t]; the rows of one request
 // are contiguous, at consecutive positions. a, z: float32 [rows, c·width], z without ape (c = 2 for

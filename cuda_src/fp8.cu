@@ -7,7 +7,7 @@
 #include "common.cuh"
 #include "fp8.cuh"
 
-// Faithful-mode fp8 (MODEL.md section 9): the activation quantiser in front of every GEMM whose weight is
+// Faithful-mode fp8 (docs/numerics.md#act-quant): the activation quantiser in front of every GEMM whose weight is
 // stored in fp8, and the decode GEMM of such a weight; formats in fp8.cuh.
 constexpr float kE4m3Max = 448.f;
 using E4m3Bytes = unsigned char;  // act_quant-ed activations: a name for the instantiation lists

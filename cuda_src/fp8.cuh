@@ -1,5 +1,5 @@
 // e4m3 helpers of the faithful-mode fp8 kernels (fp8.cu, gemm_fp8.cu, moe_fp4.cu, the fp8 KV cache of kv_fp8.cuh),
-// MODEL.md section 9. e4m3 values travel as raw bytes, scales as e8m0 bytes (2^(byte - 127)), one per 128 values
+// docs/numerics.md#act-quant. e4m3 values travel as raw bytes, scales as e8m0 bytes (2^(byte - 127)), one per 128 values
 // of a row for activations, per 128 x 128 tile for weights.
 #pragma once
 #include <cuda_fp8.h>

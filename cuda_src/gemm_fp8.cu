@@ -3,7 +3,7 @@
 #include "common.cuh"
 #include "fp8.cuh"
 
-// The faithful-mode fp8 linear layer of prefill batches (MODEL.md section 9) on Hopper's tensor cores:
+// The faithful-mode fp8 linear layer of prefill batches (docs/numerics.md#act-quant) on Hopper's tensor cores:
 // y [m, n] = Σ over 128-column blocks kb of (xq[:, kb] · wq[:, kb]ᵀ) · x_scale[:, kb] · w_scale[n / 128, kb], the
 // large-m counterpart of fp8.cu's fp8_skinny_gemm with the same operands (xq, x_scale from act_quant; wq [n, k],
 // w_scale [n / 128, k / 128] the checkpoint's). n and k are multiples of 128, m is any.

@@ -9,7 +9,7 @@
 // dsv4rt-instantiate: hc_post<float,2> hc_post<float,4> hc_post<__nv_bfloat16,2> hc_post<__nv_bfloat16,4>
 #include "common.cuh"
 
-// Manifold-constrained hyper-connections (MODEL.md section 7) on streams X [T, HC, D].
+// Manifold-constrained hyper-connections (docs/model.md#hyper-connections) on streams X [T, HC, D].
 // hc_pre and hc_head launch kHcThreads threads as (lanes, groups): each group of `lanes` threads
 // splits the hc·D reduction of kHcTok tokens, so every fn value loaded feeds kHcTok tokens; fn
 // (float32) stays in L2 across blocks. Groups of one warp share fn through shared memory instead.

@@ -4,7 +4,7 @@
 #include "compress.cuh"
 #include "indexer_fp4.cuh"
 
-// The lightning indexer of MODEL.md section 6 in two kernels: scores into a float32 workspace
+// The lightning indexer of docs/model.md#indexer in two kernels: scores into a float32 workspace
 // [rows, n_max], then an exact top-k per row. Row t is one query: req[t] (< 0: padding), pos[t];
 // it sees entries j < min((pos[t] + 1) / ratio, n_max) of its request's indexer-key cache.
 // Faithful numerics (Fp4Keys): the keys are indexer_fp4.cuh's packed entries, dequantised exactly into the

@@ -1,4 +1,4 @@
-// Faithful-mode indexer keys and queries (MODEL.md section 9): after RoPE, the orthonormal Walsh-Hadamard
+// Faithful-mode indexer keys and queries (docs/numerics.md#indexer-rounding): after RoPE, the orthonormal Walsh-Hadamard
 // rotation over the next power of two n >= dim (zeros appended, the first dim outputs kept, as
 // reference.quant.rotate), then e2m1 with a ue8m0 scale per 32 values, s = 2^ceil(log2(max(amax, 6·2^-126) / 6)),
 // round to nearest even. A stored key is reference.layouts.encode_indexer_key's bytes, fp4_entry_bytes(dim) of

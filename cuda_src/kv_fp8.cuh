@@ -1,4 +1,4 @@
-// Faithful-mode main KV cache entries (MODEL.md section 9): window rows and compressed entries of width hd.
+// Faithful-mode main KV cache entries (docs/caches.md#entry-layouts): window rows and compressed entries of width hd.
 //
 // After RoPE the nope dims [0, hd - rd) go onto e4m3 with a ue8m0 scale per 64 dims (a shorter last block
 // takes its scale from its own dims), s = 2^ceil(log2(max(amax, 1e-4) / 448)), round to nearest even; the rope

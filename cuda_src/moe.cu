@@ -1,6 +1,5 @@
 // dsv4rt-instantiate: moe_route moe_sort swiglu<float> swiglu<__nv_bfloat16>
 // dsv4rt-instantiate: moe_combine<float> moe_combine<__nv_bfloat16>
-// dsv4rt-instantiate: moe_gather<float> moe_gather<__nv_bfloat16>
 // dsv4rt-instantiate: moe_gemm<float,64,true> moe_gemm<float,64,false>
 // dsv4rt-instantiate: moe_gemm<__nv_bfloat16,64,true> moe_gemm<__nv_bfloat16,64,false>
 // dsv4rt-instantiate: moe_skinny<float,true> moe_skinny<float,false>
@@ -8,8 +7,9 @@
 #include "common.cuh"
 #include "moe.cuh"
 
-// Mixture of experts (MODEL.md section 8) without host synchronisation: routing, a counting sort of
-// the (token, slot) pairs by expert, grouped GEMMs over the sorted rows, a weighted combine.
+// Mixture of experts (docs/model.md#moe) without host synchronisation: routing, a counting sort of
+// the (token, slot) pairs by expert, grouped GEMMs over the sorted rows (the routing weight scales the SwiGLU
+// output before w2, the official order), a sum of each token's rows.
 constexpr int kMaxExperts = 384;
 constexpr int kMaxActive = 8;
 constexpr float kLowest = -3.402823466e38f;  // below every real score
@@ -160,11 +160,11 @@ struct TileLoader {
 // blockIdx.y is a row tile of BM rows counted over all experts (tile_offsets from moe_sort; tiles past
 // the total return at once), blockIdx.x a tile of 64 columns. a_row(r) is a[perm[r] / active] when
 // perm is given (tokens gathered on the fly), else a[r]. GATED: two weights (w1, w3) and the clamped
-// SwiGLU silu(min(g, L)) · clamp(u, −L, L) on the way out. 16x16 threads, each BM/16 rows × 4 columns,
+// SwiGLU silu(min(g, L)) · clamp(u, −L, L) times the pair's routing weight[perm[r]] on the way out. 16x16 threads, each BM/16 rows × 4 columns,
 // fp32 accumulation in registers. k must be a multiple of 8 and rows 16-byte aligned.
 template <typename T, int BM, bool GATED>
 __global__ void __launch_bounds__(kGemmThreads) moe_gemm(T* out, const T* a, const int* perm, int active,
-                                                         const unsigned long long* w_first,
+                                                         const float* weight, const unsigned long long* w_first,
                                                          const unsigned long long* w_second, const int* offsets,
                                                          const int* tile_offsets, int experts, int n, int k,
                                                          float limit) {
@@ -237,7 +237,7 @@ __global__ void __launch_bounds__(kGemmThreads) moe_gemm(T* out, const T* a, con
             float v = acc[0][r][c];
             if constexpr (GATED) {
                 const float g = fminf(v, limit), u = fminf(fmaxf(acc[1][r][c], -limit), limit);
-                v = g * sigmoid(g) * u;
+                v = g * sigmoid(g) * u * weight[perm[row]];
             }
             out[static_cast<size_t>(row) * n + col] = from_float<T>(v);
         }
@@ -259,19 +259,22 @@ __device__ __forceinline__ void unpack(const uint4& raw, float (&v)[kVec<T>]) {
 
 // One tile of RR ≥ rows rows against the warp's weight rows w: out[row0 + r, col0 + c] for r < rows. Row r of
 // the tile is a[(gather ? gather[row0 + r] / active : row0 + r)]; rows from `rows` to RR repeat a valid one and
-// are never stored. Weight columns past n likewise.
+// are never stored. Weight columns past n likewise. GATED rows that are gathered (routed pairs) are scaled by their
+// routing weight[gather[row]].
 template <typename T, int RR, bool GATED>
 __device__ __forceinline__ void skinny_tile(T* out, float* out_f32, const T* a, const int* gather, int active,
-                                            int row0, int rows, const T* const (&w)[kSkinnyW], int col0, int n, int k,
+                                            const float* weight, int row0, int rows, const T* const (&w)[kSkinnyW], int col0, int n, int k,
                                             float limit) {
     constexpr int V = kVec<T>, STEP = 32 * V, COLS = GATED ? kSkinnyW / 2 : kSkinnyW;
     constexpr int STEPS = RR >= 8 ? 1 : kSkinnySteps;  // loads in flight, within the registers of 3 blocks an SM
     const int lane = threadIdx.x & 31;
     int arow[RR];  // element offsets into a (32 bits: decode-sized a, and registers for 8 rows)
+    float scale[RR];  // loaded before the weight stream so that the epilogue does not wait on it
 #pragma unroll
     for (int r = 0; r < RR; ++r) {
         const int row = row0 + min(r, rows - 1);
         arow[r] = (gather ? gather[row] / active : row) * k;
+        scale[r] = GATED && gather ? weight[gather[row]] : 1.f;
     }
     float acc[RR][kSkinnyW] = {};
     for (int k0 = lane * V; k0 < k; k0 += STEPS * STEP) {
@@ -309,6 +312,7 @@ __device__ __forceinline__ void skinny_tile(T* out, float* out_f32, const T* a, 
             if constexpr (GATED) {
                 const float u = fminf(fmaxf(warp_sum(acc[r][c + COLS]), -limit), limit), g = fminf(v, limit);
                 v = g * sigmoid(g) * u;
+                v *= scale[r];
             }
             if (lane != (r * COLS + c) % 32 || col0 + c >= n) continue;
             if (out_f32) out_f32[at + col0 + c] = v;
@@ -324,7 +328,7 @@ __device__ __forceinline__ void skinny_tile(T* out, float* out_f32, const T* a, 
 // combine adds in fp32). k must be a multiple of 8 and rows 16-byte aligned.
 template <typename T, bool GATED>
 __global__ void __launch_bounds__(32 * kSkinnyWarps, 3)
-    moe_skinny(T* out, const T* a, const int* perm, int active, const unsigned long long* w_first,
+    moe_skinny(T* out, const T* a, const int* perm, int active, const float* weight, const unsigned long long* w_first,
                const unsigned long long* w_second, const int* offsets, const int* tile_offsets, int experts,
                int routed_tiles, void* shared_out, const T* shared_a, const T* shared_first, const T* shared_second,
                int shared_rows, int n, int k, float limit) {
@@ -353,45 +357,36 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, 3)
                                : reinterpret_cast<const T*>((second ? w_second : w_first)[e]);
         w[c] = base + static_cast<size_t>(min(col0 + c % COLS, n - 1)) * k;
     }
-    if (rows == 1) skinny_tile<T, 1, GATED>(out, out_f32, a, perm, active, row0, rows, w, col0, n, k, limit);
-    else if (rows == 2) skinny_tile<T, 2, GATED>(out, out_f32, a, perm, active, row0, rows, w, col0, n, k, limit);
-    else if (rows <= 4) skinny_tile<T, 4, GATED>(out, out_f32, a, perm, active, row0, rows, w, col0, n, k, limit);
-    else skinny_tile<T, kSkinnyRows, GATED>(out, out_f32, a, perm, active, row0, rows, w, col0, n, k, limit);
+    if (rows == 1) skinny_tile<T, 1, GATED>(out, out_f32, a, perm, active, weight, row0, rows, w, col0, n, k, limit);
+    else if (rows == 2) skinny_tile<T, 2, GATED>(out, out_f32, a, perm, active, weight, row0, rows, w, col0, n, k, limit);
+    else if (rows <= 4) skinny_tile<T, 4, GATED>(out, out_f32, a, perm, active, weight, row0, rows, w, col0, n, k, limit);
+    else skinny_tile<T, kSkinnyRows, GATED>(out, out_f32, a, perm, active, weight, row0, rows, w, col0, n, k, limit);
 }
 
-// The shared expert's activation: h = silu(min(g, L)) · clamp(u, −L, L) over `count` elements.
+// h = silu(min(g, L)) · clamp(u, −L, L) over `count` elements of rows of `cols`. When weight is given, rows from
+// `unweighted` on are routed pairs in expert order, scaled by their routing weight[perm[row − unweighted]].
 template <typename T>
-__global__ void __launch_bounds__(256) swiglu(T* h, const float* g, const float* u, long long count, float limit) {
+__global__ void __launch_bounds__(256) swiglu(T* h, const float* g, const float* u, long long count, float limit,
+                                              const float* weight, const int* perm, int cols, int unweighted) {
     for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < count;
          i += static_cast<long long>(gridDim.x) * blockDim.x) {
         const float gi = fminf(g[i], limit), ui = fminf(fmaxf(u[i], -limit), limit);
-        h[i] = from_float<T>(gi * sigmoid(gi) * ui);
+        float v = gi * sigmoid(gi) * ui;
+        const long long row = i / cols - unweighted;
+        if (weight && row >= 0) v *= weight[perm[row]];
+        h[i] = from_float<T>(v);
     }
 }
 
-// The routed rows in expert order, for cuBLAS (dsv4rt/model/moe_prefill.py): out[row] = a[perm[row] / active],
-// one block per row, 16-byte vectors along dim (a multiple of 8).
-template <typename T>
-__global__ void __launch_bounds__(256) moe_gather(T* out, const T* a, const int* perm, int active, int dim) {
-    const size_t row = blockIdx.x;
-    const uint4* src = reinterpret_cast<const uint4*>(a + static_cast<size_t>(perm[row] / active) * dim);
-    uint4* dst = reinterpret_cast<uint4*>(out + row * dim);
-    for (int i = threadIdx.x; i < dim / kVec<T>; i += blockDim.x) dst[i] = src[i];
-}
-
-// y[t] = shared[t] + Σ_slot weight[t, slot] · expert_out[pos[t, slot]], one block per token, 16-byte
-// vectors along dim (a multiple of 8). shared may be nullptr (no shared expert).
+// y[t] = shared[t] + Σ_slot expert_out[pos[t, slot]] (the rows carry their routing weights), one block per token,
+// 16-byte vectors along dim (a multiple of 8). shared may be nullptr (no shared expert).
 template <typename T>
 __global__ void __launch_bounds__(256) moe_combine(T* y, const T* expert_out, const float* shared, const int* pos,
-                                                   const float* weight, int active, int dim) {
+                                                   int active, int dim) {
     constexpr int V = kVec<T>;
     const int t = blockIdx.x;
     __shared__ int rows[kMaxActive];
-    __shared__ float w[kMaxActive];
-    if (threadIdx.x < active) {
-        rows[threadIdx.x] = pos[static_cast<size_t>(t) * active + threadIdx.x];
-        w[threadIdx.x] = weight[static_cast<size_t>(t) * active + threadIdx.x];
-    }
+    if (threadIdx.x < active) rows[threadIdx.x] = pos[static_cast<size_t>(t) * active + threadIdx.x];
     __syncthreads();
     for (int i = threadIdx.x * V; i < dim; i += blockDim.x * V) {
         float acc[V], v[V];
@@ -404,7 +399,7 @@ __global__ void __launch_bounds__(256) moe_combine(T* y, const T* expert_out, co
         for (int s = 0; s < active; ++s) {
             load_vec<T, V>(expert_out + static_cast<size_t>(rows[s]) * dim + i, v);
 #pragma unroll
-            for (int j = 0; j < V; ++j) acc[j] = fmaf(w[s], v[j], acc[j]);
+            for (int j = 0; j < V; ++j) acc[j] += v[j];
         }
         store_vec<T, V>(y + static_cast<size_t>(t) * dim + i, acc);
     }

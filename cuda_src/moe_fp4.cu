@@ -4,7 +4,7 @@
 #include "fp8.cuh"
 #include "moe.cuh"
 
-// The routed experts of the faithful decode MoE (MODEL.md sections 8 and 9) on their weights as released: packed
+// The routed experts of the faithful decode MoE (docs/model.md#moe, docs/numerics.md) on their weights as released: packed
 // e2m1 [n, k/2] (low nibble = even column) with an e8m0 scale per 1 x 32, against activations from act_quant (e4m3
 // with an e8m0 scale per 128 columns of a row). Hopper's tensor cores take e4m3, not e2m1, so each weight row's
 // 128-column group is re-expressed in e4m3 under one exponent: with s_max the largest of the group's four block

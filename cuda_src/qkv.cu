@@ -4,7 +4,7 @@
 
 constexpr int kQkvWarps = 8;
 
-// Fusion 3 (MODEL.md section 4), one launch with static warp dispatch: warp w < rows*heads owns query
+// Fusion 3 (docs/kernels.md#fusions, docs/model.md#attention), one launch with static warp dispatch: warp w < rows*heads owns query
 // head (w / heads, w % heads), warp rows*heads + t owns token t's kv row. Warps never talk to each other.
 //   q [rows, heads, hd] in place: q = rope(q * rsqrt(mean(q^2) + eps), pos)
 //   kv [rows, hd] -> rope(rmsnorm(kv, kv_weight), pos), stored at window-cache entry pos of the token's request.

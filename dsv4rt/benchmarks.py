@@ -125,19 +125,15 @@ def prefill(model_dir, lengths: list[int]) -> list[dict]:
 def serve(model_dir, n: int, prompt_len: list[int], output_len: list[int], max_running: int, seed: int) -> dict:
     from .engine import Engine
     from .reference.sampling import SamplingParams
-    rng = np.random.default_rng(seed)
-    lo, hi = prompt_len
-    out_lo, out_hi = output_len
-    lens = rng.integers(lo, hi + 1, n)
-    outs = rng.integers(out_lo, out_hi + 1, n)
+    from .server.load import workload
+    work = workload(n, prompt_len, output_len, seed)       # what `bench serve --url` sends
+    hi, out_hi = prompt_len[1], output_len[1]
     kv = _kv_bytes(model_dir, hi + out_hi, min(n, max_running))
     e = Engine(model_dir, "cuda", kv_bytes=kv, max_running=max_running, max_len=hi + out_hi + 8,
                token_budget=max(512, max_running))
     e.generate([[2, 3, 4]], SamplingParams(temperature=0, max_new_tokens=4))     # loads kernels
-    vocab = e.cfg.vocab_size
     t0 = time.perf_counter()
-    ids = [e.add_request(rng.integers(2, vocab, int(L)).tolist(), SamplingParams(temperature=0, max_new_tokens=int(k)))
-           for L, k in zip(lens, outs)]
+    ids = [e.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=k)) for prompt, k in work]
     requests = [e._live[i] for i in ids]
     while e.has_unfinished():
         e.step()
@@ -145,7 +141,7 @@ def serve(model_dir, n: int, prompt_len: list[int], output_len: list[int], max_r
     ttft = [r.token_times[0] - r.arrived for r in requests]
     itl = np.concatenate([np.diff(r.token_times) for r in requests if len(r.token_times) > 1] or [np.zeros(0)])
     generated = sum(len(r.token_times) for r in requests)
-    return dict(requests=n, prompt_tokens=int(lens.sum()), generated=generated, seconds=wall,
+    return dict(requests=n, prompt_tokens=sum(len(p) for p, _ in work), generated=generated, seconds=wall,
                 tokens_per_s=generated / wall, ttft_p50_ms=float(np.percentile(ttft, 50)) * 1e3,
                 ttft_p99_ms=float(np.percentile(ttft, 99)) * 1e3,
                 itl_p50_ms=float(np.percentile(itl, 50)) * 1e3 if len(itl) else 0.0,

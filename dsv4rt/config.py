@@ -6,8 +6,12 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .files import json_int, read_regular
+
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 HASH_MOE, MOE = "hash_moe", "moe"
+# sizes and ids travel to the kernels as 32-bit ints
+INT_MAX = 2 ** 31 - 1
 
 
 class ConfigError(ValueError):
@@ -93,16 +97,20 @@ class ModelConfig:
             raise ConfigError(f"{path} does not exist")
         if path.is_dir():
             path = path / "config.json"
+            if not path.exists():
+                raise ConfigError(f"{path}: config file not found")
+        text = read_regular(path, ConfigError)
         try:
-            text = path.read_text()
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: config file not found") from None
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read config ({e.strerror})") from None
-        try:
-            raw = json.loads(text)
+            # up to 4000 digits the key's own check names it; beyond, Python cannot even convert the number
+            raw = json.loads(text.decode("utf-8"), parse_int=lambda digits: json_int(digits, 4000))
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: config is not UTF-8 text") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: config is not valid JSON ({e.msg} at line {e.lineno})") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: config is not valid JSON (nested too deeply)") from None
+        except ValueError as e:  # json_int's
+            raise ConfigError(f"{path}: config is not valid JSON ({e})") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: config must be a JSON object")
         try:
@@ -115,49 +123,84 @@ def _ratio_of(cfg: ModelConfig, kind: str) -> int:
     return next((r for r, k in zip(cfg.ratios, cfg.kinds) if k == kind), {CSA: 4, HCA: 128}[kind])
 
 
-def _get(raw: dict, key: str, kind=int, default=None):
-    if key not in raw or raw[key] is None:
+def _show(v) -> str:
+    if isinstance(v, int) and v.bit_length() > 64:
+        return f"an integer of {v.bit_length()} bits"
+    try:
+        text = repr(v)
+    except ValueError:  # a huge integer inside a list
+        return "a value too large to print"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _value(raw: dict, key: str, default, name: str):
+    v = raw.get(key)
+    if v is None:
         if default is None:
-            raise ConfigError(f"missing key '{key}'")
+            raise ConfigError(f"missing key '{name}'")
         return default
+    return v
+
+
+def _int(raw: dict, key: str, default=None, low: int = 1, high: int = INT_MAX, name: str | None = None) -> int:
+    name = name or key
+    v = _value(raw, key, default, name)
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"key '{name}' must be an integer, got {_show(v)}")
+    if not low <= v <= high:
+        raise ConfigError(f"key '{name}' must be an integer from {low} to {high}, got {_show(v)}")
+    return v
+
+
+def _float(raw: dict, key: str, default, rule: str, ok, name: str | None = None) -> float:
+    """A finite number for which ok(x) holds; `rule` says which, in words."""
+    name = name or key
+    v = _value(raw, key, default, name)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"key '{name}' must be a number, got {_show(v)}")
+    try:
+        x = float(v)
+    except OverflowError:
+        x = math.inf
+    if not (math.isfinite(x) and ok(x)):
+        raise ConfigError(f"key '{name}' must be a finite number {rule}, got {_show(v)}")
+    return x
+
+
+def _object(raw: dict, key: str, name: str | None = None) -> dict:
+    v = raw.get(key)
+    if v is not None and not isinstance(v, dict):
+        raise ConfigError(f"key '{name or key}' must be an object, got {_show(v)}")
+    return v or {}
+
+
+def _list(raw: dict, key: str, element: type, n: int, exact: bool = True) -> list:
+    """A list of `n` (at least n unless `exact`) elements of type `element`."""
     v = raw[key]
-    if kind is int and (isinstance(v, bool) or not isinstance(v, int)):
-        if isinstance(v, float) and v.is_integer():
-            return int(v)
-        raise ConfigError(f"key '{key}' must be an integer, got {v!r}")
-    if kind is float and (isinstance(v, bool) or not isinstance(v, (int, float))):
-        raise ConfigError(f"key '{key}' must be a number, got {v!r}")
-    return kind(v)
-
-
-def _positive(raw: dict, key: str, default=None) -> int:
-    v = _get(raw, key, int, default)
-    if v <= 0:
-        raise ConfigError(f"key '{key}' must be positive, got {v}")
+    what = {str: "strings", int: "integers"}[element]
+    if not isinstance(v, list) or not all(isinstance(x, element) and not isinstance(x, bool) for x in v):
+        raise ConfigError(f"key '{key}' must be a list of {what}, got {_show(v)}")
+    if len(v) < n or (exact and len(v) != n):
+        raise ConfigError(f"key '{key}' has {len(v)} entries, num_hidden_layers is {n}")
     return v
 
 
 def _layer_kinds(raw: dict, n: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    rates = raw.get("compress_rates") or {}
-    if not isinstance(rates, dict):
-        raise ConfigError("key 'compress_rates' must be an object")
-    csa = int(rates.get(CSA, raw.get("compress_rate_csa", 4)))
-    hca = int(rates.get(HCA, raw.get("compress_rate_hca", 128)))
+    rates = _object(raw, "compress_rates")
+    csa = _int(rates, CSA, _int(raw, "compress_rate_csa", 4, low=2), low=2, name=f"compress_rates.{CSA}")
+    hca = _int(rates, HCA, _int(raw, "compress_rate_hca", 128, low=2), low=2, name=f"compress_rates.{HCA}")
     if raw.get("layer_types") is not None:
-        kinds = list(raw["layer_types"])
-        if len(kinds) != n:
-            raise ConfigError(f"key 'layer_types' has {len(kinds)} entries, num_hidden_layers is {n}")
+        kinds = _list(raw, "layer_types", str, n)
         bad = [k for k in kinds if k not in (SLIDING, CSA, HCA)]
         if bad:
-            raise ConfigError(f"key 'layer_types' has unknown kinds {bad}")
+            raise ConfigError(f"key 'layer_types' has unknown kinds {_show(bad)}")
     elif raw.get("compress_ratios") is not None:
-        ratios = list(raw["compress_ratios"])
-        if len(ratios) < n:
-            raise ConfigError(f"key 'compress_ratios' has {len(ratios)} entries, num_hidden_layers is {n}")
-        ratios = ratios[:n]  # a trailing entry belongs to the MTP layer
+        ratios = _list(raw, "compress_ratios", int, n, exact=False)[:n]  # a trailing entry belongs to the MTP layer
         nonzero = sorted({r for r in ratios if r})
-        if len(nonzero) > 2 or any(not isinstance(r, int) or r < 0 for r in ratios):
-            raise ConfigError(f"key 'compress_ratios' must hold 0 and at most two ratios, got {nonzero}")
+        if len(nonzero) > 2 or any(r < 0 or r == 1 or r > INT_MAX for r in ratios):
+            raise ConfigError(f"key 'compress_ratios' must hold 0 and at most two ratios above 1, got {_show(nonzero)}")
         if nonzero:
             csa = nonzero[0] if raw.get("compress_rate_csa") is None else csa
             hca = nonzero[-1] if raw.get("compress_rate_hca") is None else hca
@@ -167,98 +210,107 @@ def _layer_kinds(raw: dict, n: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
         kinds = [table[r] for r in ratios]
     else:
         raise ConfigError("missing key 'layer_types' (or legacy 'compress_ratios')")
-    if csa <= 1 or hca <= 1:
-        raise ConfigError(f"key 'compress_rates' must hold ratios above 1, got {csa} and {hca}")
     ratio = {SLIDING: 0, CSA: csa, HCA: hca}
     return tuple(kinds), tuple(ratio[k] for k in kinds)
 
 
 def _hash_layers(raw: dict, n: int) -> tuple[bool, ...]:
     if raw.get("mlp_layer_types") is not None:
-        types = list(raw["mlp_layer_types"])
-        if len(types) != n or any(t not in (HASH_MOE, MOE) for t in types):
+        types = _list(raw, "mlp_layer_types", str, n)
+        if any(t not in (HASH_MOE, MOE) for t in types):
             raise ConfigError(f"key 'mlp_layer_types' must list {n} entries of '{HASH_MOE}' or '{MOE}'")
         return tuple(t == HASH_MOE for t in types)
-    k = _get(raw, "num_hash_layers", int, 3)
+    k = _int(raw, "num_hash_layers", 3, low=0)
     return tuple(i < k for i in range(n))
 
 
+_ABOVE_1 = ("above 1", lambda x: x > 1)
+_POSITIVE = ("above 0", lambda x: x > 0)
+
+
 def _rope(raw: dict, head_dim: int) -> tuple[int, float, float, Yarn | None]:
-    params = raw.get("rope_parameters") or {}
-    if not isinstance(params, dict):
-        raise ConfigError("key 'rope_parameters' must be an object")
+    params = _object(raw, "rope_parameters")
     if raw.get("qk_rope_head_dim") is not None:
-        rd = _positive(raw, "qk_rope_head_dim")
+        rd = _int(raw, "qk_rope_head_dim")
     elif raw.get("partial_rotary_factor") is not None:
-        rd = int(head_dim * _get(raw, "partial_rotary_factor", float))
+        rd = int(head_dim * _float(raw, "partial_rotary_factor", None, "in (0, 1]", lambda x: 0 < x <= 1))
     else:
         raise ConfigError("missing key 'qk_rope_head_dim' (or 'partial_rotary_factor')")
-    if rd % 2 or rd > head_dim:
-        raise ConfigError(f"key 'qk_rope_head_dim' must be even and at most head_dim, got {rd}")
+    if rd <= 0 or rd % 2 or rd > head_dim:
+        raise ConfigError(f"key 'qk_rope_head_dim' must be even, positive and at most head_dim, got {rd}")
     main, comp = params.get("main"), params.get("compress")
     if isinstance(main, dict) and isinstance(comp, dict):
-        theta = float(main.get("rope_theta", raw.get("rope_theta", 10000.0)))
-        ctheta = float(comp.get("rope_theta", raw.get("compress_rope_theta", 160000.0)))
-        scaling = comp
+        theta = _float(main, "rope_theta", _float(raw, "rope_theta", 10000.0, *_ABOVE_1), *_ABOVE_1,
+                       name="rope_parameters.main.rope_theta")
+        ctheta = _float(comp, "rope_theta", _float(raw, "compress_rope_theta", 160000.0, *_ABOVE_1), *_ABOVE_1,
+                        name="rope_parameters.compress.rope_theta")
+        scaling, where = comp, "rope_parameters.compress"
     else:
-        theta = _get(raw, "rope_theta", float, 10000.0)
-        ctheta = _get(raw, "compress_rope_theta", float, 160000.0)
-        scaling = raw.get("rope_scaling") or params
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else "default"
+        theta = _float(raw, "rope_theta", 10000.0, *_ABOVE_1)
+        ctheta = _float(raw, "compress_rope_theta", 160000.0, *_ABOVE_1)
+        where = "rope_scaling" if raw.get("rope_scaling") is not None else "rope_parameters"
+        scaling = _object(raw, where)
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind in ("default", None):
         return rd, theta, ctheta, None
     if kind != "yarn":
-        raise ConfigError(f"key 'rope_scaling' has unsupported type '{kind}'")
-    try:
-        yarn = Yarn(float(scaling["factor"]), int(scaling["original_max_position_embeddings"]),
-                    float(scaling.get("beta_fast", 32)), float(scaling.get("beta_slow", 1)))
-    except KeyError as e:
-        raise ConfigError(f"missing key 'rope_scaling.{e.args[0]}'") from None
+        raise ConfigError(f"key '{where}' has unsupported type {_show(kind)}")
+    yarn = Yarn(_float(scaling, "factor", None, "of at least 1", lambda x: x >= 1, name=f"{where}.factor"),
+                _int(scaling, "original_max_position_embeddings", name=f"{where}.original_max_position_embeddings"),
+                _float(scaling, "beta_fast", 32.0, *_POSITIVE, name=f"{where}.beta_fast"),
+                _float(scaling, "beta_slow", 1.0, *_POSITIVE, name=f"{where}.beta_slow"))
     return rd, theta, ctheta, yarn
 
 
 def from_dict(raw: dict) -> ModelConfig:
-    n = _positive(raw, "num_hidden_layers")
-    head_dim = _positive(raw, "head_dim")
-    heads = _positive(raw, "num_attention_heads")
-    if raw.get("num_key_value_heads", 1) != 1:
+    """The checked config: every key's type and range, and the keys' agreement with each other."""
+    n = _int(raw, "num_hidden_layers")
+    head_dim = _int(raw, "head_dim")
+    heads = _int(raw, "num_attention_heads")
+    if _int(raw, "num_key_value_heads", 1) != 1:
         raise ConfigError("key 'num_key_value_heads' must be 1 (shared KV)")
     kinds, ratios = _layer_kinds(raw, n)
     rd, theta, ctheta, yarn = _rope(raw, head_dim)
-    groups = _positive(raw, "o_groups")
+    groups = _int(raw, "o_groups")
     if heads % groups:
         raise ConfigError(f"key 'o_groups' ({groups}) must divide num_attention_heads ({heads})")
-    n_experts = _positive(raw, "n_routed_experts")
-    n_active = _positive(raw, "num_experts_per_tok")
+    n_experts = _int(raw, "n_routed_experts")
+    n_active = _int(raw, "num_experts_per_tok")
     if n_active > n_experts:
         raise ConfigError(f"key 'num_experts_per_tok' ({n_active}) exceeds n_routed_experts ({n_experts})")
     scoring = raw.get("scoring_func", "sqrtsoftplus")
     if scoring != "sqrtsoftplus":
-        raise ConfigError(f"key 'scoring_func' must be 'sqrtsoftplus', got {scoring!r}")
-    hc = _positive(raw, "hc_mult")
+        raise ConfigError(f"key 'scoring_func' must be 'sqrtsoftplus', got {_show(scoring)}")
+    vocab = _int(raw, "vocab_size")
     cfg = ModelConfig(
-        vocab_size=_positive(raw, "vocab_size"), hidden_size=_positive(raw, "hidden_size"), num_layers=n,
-        num_heads=heads, head_dim=head_dim, rope_dim=rd, q_lora_rank=_positive(raw, "q_lora_rank"),
-        o_groups=groups, o_lora_rank=_positive(raw, "o_lora_rank"), window=_positive(raw, "sliding_window"),
+        vocab_size=vocab, hidden_size=_int(raw, "hidden_size"), num_layers=n,
+        num_heads=heads, head_dim=head_dim, rope_dim=rd, q_lora_rank=_int(raw, "q_lora_rank"),
+        o_groups=groups, o_lora_rank=_int(raw, "o_lora_rank"), window=_int(raw, "sliding_window"),
         ratios=ratios, kinds=kinds, hash_layers=_hash_layers(raw, n), rope_theta=theta,
-        compress_rope_theta=ctheta, yarn=yarn, index_n_heads=_positive(raw, "index_n_heads"),
-        index_head_dim=_positive(raw, "index_head_dim"), index_topk=_positive(raw, "index_topk"),
-        n_experts=n_experts, n_active=n_active, n_shared=_get(raw, "n_shared_experts", int, 1),
-        moe_inter=_positive(raw, "moe_intermediate_size"),
-        routed_scaling=_get(raw, "routed_scaling_factor", float, 1.0),
-        swiglu_limit=_get(raw, "swiglu_limit", float, 10.0), hc_mult=hc,
-        hc_iters=_positive(raw, "hc_sinkhorn_iters", 20), hc_eps=_get(raw, "hc_eps", float, 1e-6),
-        eps=_get(raw, "rms_norm_eps", float, 1e-6), bos=_get(raw, "bos_token_id", int, 0),
-        eos=_eos(raw), n_mtp=_get(raw, "num_nextn_predict_layers", int, 0),
-        quant=raw.get("quantization_config") or {},
+        compress_rope_theta=ctheta, yarn=yarn, index_n_heads=_int(raw, "index_n_heads"),
+        index_head_dim=_int(raw, "index_head_dim"), index_topk=_int(raw, "index_topk"),
+        n_experts=n_experts, n_active=n_active, n_shared=_int(raw, "n_shared_experts", 1, low=0, high=1),
+        moe_inter=_int(raw, "moe_intermediate_size"),
+        # beyond 100 the routed sum alone overflows float32 activations within a few layers
+        routed_scaling=_float(raw, "routed_scaling_factor", 1.0, "in (0, 100]", lambda x: 0 < x <= 100),
+        swiglu_limit=_float(raw, "swiglu_limit", 10.0, *_POSITIVE), hc_mult=_int(raw, "hc_mult"),
+        # each iteration is a pass over every token's hc x hc matrix
+        hc_iters=_int(raw, "hc_sinkhorn_iters", 20, high=1000),
+        hc_eps=_float(raw, "hc_eps", 1e-6, "in [0, 1)", lambda x: 0 <= x < 1),
+        eps=_float(raw, "rms_norm_eps", 1e-6, "in (0, 1)", lambda x: 0 < x < 1),
+        bos=_int(raw, "bos_token_id", 0, low=0, high=vocab - 1), eos=_eos(raw, vocab),
+        n_mtp=_int(raw, "num_nextn_predict_layers", 0, low=0), quant=_object(raw, "quantization_config"),
     )
-    if cfg.n_shared not in (0, 1):
-        raise ConfigError(f"key 'n_shared_experts' must be 0 or 1, got {cfg.n_shared}")
     if cfg.index_head_dim < rd or cfg.index_head_dim % 2:
         raise ConfigError(f"key 'index_head_dim' ({cfg.index_head_dim}) must be even and at least qk_rope_head_dim")
     return cfg
 
 
-def _eos(raw: dict) -> int:
-    v = raw.get("eos_token_id", 1)
-    return int(v[0]) if isinstance(v, list) and v else _get(raw, "eos_token_id", int, 1)
+def _eos(raw: dict, vocab: int) -> int:
+    """eos_token_id: one id, or a non-empty list of ids whose first is the one the model emits."""
+    v = raw.get("eos_token_id")
+    if isinstance(v, list):
+        if not v or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            raise ConfigError(f"key 'eos_token_id' must be an id or a non-empty list of ids, got {_show(v)}")
+        return _int({"eos_token_id": v[0]}, "eos_token_id", low=0, high=vocab - 1)
+    return _int(raw, "eos_token_id", 1, low=0, high=vocab - 1)

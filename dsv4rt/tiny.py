@@ -13,42 +13,13 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from .config import CSA, HASH_MOE, HCA, MOE, SLIDING, from_dict
+from .config import from_dict
 from .loader import expected_shapes, quant_fp4, quant_fp8, scale_name
-
-_BASE = dict(
-    vocab_size=129280, num_key_value_heads=1, rope_theta=10000.0, compress_rope_theta=160000.0,
-    rope_scaling=dict(type="yarn", factor=16, original_max_position_embeddings=65536, beta_fast=32, beta_slow=1),
-    compress_rates={CSA: 4, HCA: 128}, sliding_window=128, n_shared_experts=1, scoring_func="sqrtsoftplus",
-    routed_scaling_factor=1.5, swiglu_limit=10.0, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,
-    bos_token_id=0, eos_token_id=1,
-)
-
-PRESETS = {
-    # the built-in chat model: every layer kind at the real ratios, small enough for a CPU
-    "demo": dict(_BASE, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, head_dim=64,
-                 qk_rope_head_dim=16, q_lora_rank=64, o_groups=2, o_lora_rank=64,
-                 layer_types=[SLIDING, CSA, HCA, CSA], mlp_layer_types=[HASH_MOE, MOE, MOE, MOE],
-                 index_n_heads=8, index_head_dim=32, index_topk=16, n_routed_experts=8,
-                 num_experts_per_tok=2, moe_intermediate_size=128, hc_mult=4),
-    # the serving benchmark's model: Flash sizes, 8 layers, 32 experts (8.7 B parameters, 17 GB in bf16)
-    "flash-slice": dict(_BASE, hidden_size=4096, num_hidden_layers=8, num_attention_heads=64, head_dim=512,
-                        qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
-                        layer_types=[SLIDING, CSA, HCA, CSA, HCA, CSA, HCA, CSA],
-                        mlp_layer_types=[HASH_MOE] * 3 + [MOE] * 5, index_n_heads=64, index_head_dim=128,
-                        index_topk=512, n_routed_experts=32, num_experts_per_tok=6, moe_intermediate_size=2048,
-                        hc_mult=4),
-    # the smallest model with the real vocabulary, for command-line tests
-    "tiny": dict(_BASE, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, head_dim=32,
-                 qk_rope_head_dim=16, q_lora_rank=32, o_groups=1, o_lora_rank=32,
-                 layer_types=[HCA, SLIDING, CSA], mlp_layer_types=[HASH_MOE, MOE, MOE],
-                 index_n_heads=4, index_head_dim=16, index_topk=8, n_routed_experts=4,
-                 num_experts_per_tok=2, moe_intermediate_size=32, hc_mult=2),
-}
+from .presets import PRESETS
 
 _FP32 = ("ape", "attn_sink", "gate.bias")  # the rest of the float tensors are bf16, as released
 FORMATS = ("bf16", "official")
-# the released checkpoints' storage (MODEL.md section 10); every other linear weight stays bf16
+# the released checkpoints' storage (docs/formats.md#storage-formats); every other linear weight stays bf16
 _FP8 = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.ffn\.shared_experts\.w[123]\.weight$")
 _FP4 = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
 QUANTIZATION_CONFIG = dict(activation_scheme="dynamic", fmt="e4m3", quant_method="fp8", scale_fmt="ue8m0",
@@ -57,6 +28,13 @@ QUANTIZATION_CONFIG = dict(activation_scheme="dynamic", fmt="e4m3", quant_method
 
 def _is_fp32(name: str) -> bool:
     return name.endswith(_FP32) or name.split(".")[-1].startswith("hc_")
+
+
+def released_format(name: str) -> str:
+    """How the released checkpoints store an official tensor: fp8, fp4, bf16, fp32, or int32 (hash tables)."""
+    if name.endswith("tid2eid"):
+        return "int32"
+    return "fp8" if _FP8.search(name) else "fp4" if _FP4.search(name) else "fp32" if _is_fp32(name) else "bf16"
 
 
 def _random(name: str, shape, rng: np.random.Generator, n_experts: int) -> np.ndarray:

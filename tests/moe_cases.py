@@ -1,4 +1,4 @@
-"""What the MoE tests (test_k_moe.py, test_k_moe_prefill.py, test_k_moe_fp4.py) share: buffers, inputs without
+"""What the MoE tests (test_k_moe.py, test_k_moe_fp4.py) share: buffers, inputs without
 near-ties in the routing, module-scoped layers, the run of one built MoE and its graph replay."""
 from contextlib import contextmanager
 

@@ -1,4 +1,5 @@
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -84,8 +85,54 @@ def test_tool_definitions_keep_reasoning():
     assert text.startswith(f"{B}S\n\n## Tools\n\nYou have access")
     assert '\n\n### Available Tool Schemas\n\n{"name": "get", "parameters": {"type": "object"}}\n\n' in text
     assert text.endswith(f"parameter schemas to invoke tool calls.\n{U}q1{A}<think>r1</think>a1{E}{U}q2{A}<think>")
-    with pytest.raises(ValueError, match="system or developer"):
-        encode_messages(msgs[1:], "chat", tools=tools)
+    # Without a system or developer message the tools get an empty system message of their own.
+    assert encode_messages(msgs[1:], "thinking", tools=tools) == B + text[len(B) + 1:]
+
+
+TOOLS = [{"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}},
+         {"type": "function", "function": {"name": "put", "parameters": {"type": "object"}}}]
+SCHEMAS = '{"name": "get", "parameters": {"type": "object"}}\n{"name": "put", "parameters": {"type": "object"}}'
+
+
+@pytest.mark.parametrize("choice, schemas, sentence", [
+    (None, SCHEMAS, ""),
+    ("auto", SCHEMAS, ""),
+    ("required", SCHEMAS, "\nYou MUST call at least one of the above tools in this response.\n"),
+    ({"type": "function", "function": {"name": "put"}}, SCHEMAS.split("\n")[1],
+     '\nYou MUST call the tool "put" in this response.\n'),
+])
+def test_tool_choice(choice, schemas, sentence):
+    msgs = [{"role": "developer", "content": "D"}, {"role": "user", "content": "q"}]
+    text = encode_messages(msgs, "chat", tools=TOOLS, tool_choice=choice)
+    head = f"{B}{U}D\n\n## Tools\n\n"
+    tail = f"\n\n### Available Tool Schemas\n\n{schemas}\n\nYou MUST strictly follow the above defined tool name and " \
+           f"parameter schemas to invoke tool calls.\n{sentence}{U}q{A}</think>"
+    assert text.startswith(head) and text.endswith(tail)
+    assert encode_messages(msgs, "chat", tools=TOOLS, tool_choice="none") == f"{B}{U}D{U}q{A}</think>"
+
+
+@pytest.mark.parametrize("tools, choice, message", [
+    (TOOLS, {"type": "function", "function": {"name": "nope"}},
+     "tool_choice names function 'nope', which is not in tools"),
+    (TOOLS, "always", 'tool_choice must be "auto", "none", "required" or'),
+    (TOOLS, {"type": "function", "function": "get"}, 'tool_choice must be "auto", "none", "required" or'),
+    (None, "required", "tool_choice 'required' needs tools"),
+    ([{"name": "get"}], None, "tools must be a list of"),
+    ("get", None, "tools must be a list of"),
+])
+def test_bad_tools_and_tool_choice(tools, choice, message):
+    with pytest.raises(ValueError) as err:
+        encode_messages([{"role": "user", "content": "q"}], tools=tools, tool_choice=choice)
+    assert str(err.value).startswith(message)
+
+
+def test_content_as_text_parts():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert encode_messages([{"role": "user", "content": parts}]) == f"{B}{U}a\nb{A}</think>"
+    with pytest.raises(ValueError, match="user content part of type 'image_url' is not supported"):
+        encode_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+    with pytest.raises(ValueError, match="system content must be a string or a list of text parts, not int"):
+        encode_messages([{"role": "system", "content": 5}])
 
 
 def test_developer_reminder_task_and_effort():
@@ -106,6 +153,9 @@ def test_developer_reminder_task_and_effort():
     dict(messages=[{"role": "user", "content": "x"}], thinking_mode="deep"),
     dict(messages=[{"role": "user", "content": "x", "task": "dance"}]),
     dict(messages=[{"role": "developer", "content": ""}]),
+    dict(messages={"role": "user", "content": "x"}),
+    dict(messages=["hello"]),
+    dict(messages=[{"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]}]),
 ])
 def test_invalid_input_raises_value_error(bad):
     with pytest.raises(ValueError):
@@ -139,3 +189,62 @@ def test_tokenizer_paths(tmp_path):
     assert tokenizer_json_path(tmp_path) == tmp_path / "tokenizer.json"
     with pytest.raises(ValueError, match="tokenizer.json"):
         load_tokenizer(tmp_path)
+
+
+def _conversation(text):
+    """Every place client text goes: system, user, tool result, assistant content, reasoning, tool calls, schemas."""
+    call = {"id": "c1", "type": "function", "function": {"name": f"f{text}", "arguments": json.dumps({text: text})}}
+    tools = [{"type": "function", "function": {"name": "f", "description": text}}]
+    msgs = [{"role": "system", "content": text}, {"role": "user", "content": text},
+            {"role": "assistant", "content": text, "reasoning_content": text, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": text}, {"role": "user", "content": text}]
+    return msgs, tools
+
+
+def test_typed_markers_stay_text(tok):
+    """Every added-token string of the tokenizer typed by the client is ordinary text; the template's are control
+    tokens."""
+    added = {t.content: i for i, t in tok.get_added_tokens_decoder().items()}
+    typed = " ".join(f"<{m}>{m}" for m in added) + " " + "".join(added)
+    msgs, tools = _conversation(typed)
+    ids = encode_prompt_ids(tok, msgs, "thinking", tools=tools)
+    assert tok.decode(ids, skip_special_tokens=False) == encode_messages(msgs, "thinking", tools=tools)
+    msgs, tools = _conversation(" ".join(f"<m{n}>m{n}" for n in range(len(added))))
+    plain_ids = encode_prompt_ids(tok, msgs, "thinking", tools=tools)
+    control = set(added.values())
+    assert [i for i in ids if i in control] == [i for i in plain_ids if i in control]
+    assert sum(i in control for i in ids) > 10
+
+
+@pytest.mark.parametrize("folder", GOLDEN_DIRS[:1], ids=["golden"])
+@pytest.mark.parametrize("case", CASES)
+def test_prompt_ids_match_plain_tokenisation_without_markers(tok, folder, case):
+    messages = json.loads((folder / f"input_{case}.json").read_text(encoding="utf-8"))
+    text = encode_messages(messages, CASES[case])
+    assert encode_prompt_ids(tok, messages, CASES[case]) == tok.encode(text, add_special_tokens=False).ids
+    msgs, tools = _conversation("Paris, 2 days — 你好 🌍 <b>bold</b> a<b |x| ｜y｜")
+    text = encode_messages(msgs, CASES[case], tools=tools)
+    assert encode_prompt_ids(tok, msgs, CASES[case], tools=tools) == tok.encode(text, add_special_tokens=False).ids
+
+
+def test_any_json_messages_give_a_prompt_or_a_value_error():
+    """Seeded fuzz over what a client's JSON may hold: the encoder either renders or raises ValueError."""
+    rng = random.Random(1)
+    values = [None, 1, 2.5, "x", "", [], {}, [1], ["a"], [{"type": "text", "text": "t"}], {"a": 1}, True,
+              [{"type": "image"}], "action", "title", [{"id": 1, "function": {"name": "f"}}],
+              [{"id": "c", "function": {"name": "f", "arguments": '{"a": [1]}'}}], [{"function": None}]]
+    roles = ["system", "user", "assistant", "tool", "developer", "latest_reminder", None, 3, ["user"]]
+    keys = ["content", "reasoning_content", "tool_calls", "tool_call_id", "task", "wo_eos", "tools", "response_format"]
+    rendered = 0
+    for _ in range(3000):
+        msgs = [{"role": rng.choice(roles), **{k: rng.choice(values) for k in rng.sample(keys, rng.randint(0, 4))}}
+                for _ in range(rng.randint(0, 5))]
+        tools = rng.choice([None, [], TOOLS, "x", [{"function": None}]])
+        choice = rng.choice([None, "auto", "none", "required", {"type": "function", "function": {"name": "get"}}, 5])
+        try:
+            assert isinstance(encode_messages(msgs, rng.choice(["chat", "thinking"]), tools=tools, tool_choice=choice),
+                              str)
+            rendered += 1
+        except ValueError:
+            pass
+    assert rendered > 100

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner, Result
 
 from conftest import TINY_A, rel_rows
+from dsv4rt.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,20 +24,27 @@ def dsv4rt(*args, stdin: str = "", env: dict | None = None, cwd=None) -> subproc
                           text=True, env=full_env, cwd=cwd, timeout=600)
 
 
-def assert_one_line_error(r: subprocess.CompletedProcess, *fragments: str):
-    assert r.returncode == 1, r.stderr
+def run(*args, env: dict | None = None) -> Result:
+    """The command line in this process (click's runner): argument checks need no fresh interpreter."""
+    return CliRunner(env=env).invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def assert_one_line_error(r: subprocess.CompletedProcess | Result, *fragments: str, code: int = 1) -> str:
+    status = r.returncode if isinstance(r, subprocess.CompletedProcess) else r.exit_code
+    assert status == code, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
     assert "Traceback" not in r.stderr
     for f in fragments:
         assert f in lines[0], lines[0]
+    return lines[0]
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("models") / "tiny"
-    r = dsv4rt("make-tiny", out, "--preset", "tiny", "--seed", "3")
-    assert r.returncode == 0, r.stderr
+    r = run("make-tiny", out, "--preset", "tiny", "--seed", "3")
+    assert r.exit_code == 0, r.stderr
     return out
 
 
@@ -70,23 +79,44 @@ def test_logits_on_the_gpu(tmp_path, storage, tol):
     assert err.max() < tol if tol else np.median(err) < 3e-2
 
 
-@pytest.mark.parametrize("chunks, message", [("40,1", "must be positive and sum to the 160 tokens"),
-                                             ("4,x", "--chunks must be comma-separated integers")])
-def test_logits_bad_chunks(tmp_path, chunks, message):
+@pytest.fixture
+def unreadable_weights(tmp_path) -> Path:
+    """tiny-a's config beside weights that fail to load: an option error here shows it came first."""
+    model = tmp_path / "m"
+    _write_bad(model, "header not json")
+    return model
+
+
+@pytest.mark.parametrize("chunks, message", [
+    ("40,1", "--chunks: chunk sizes [40, 1] must be positive and sum to the 160 tokens"),
+    ("200,-40", "--chunks: chunk sizes [200, -40] must be positive and sum to the 160 tokens"),
+    ("4,x", "--chunks must be comma-separated integers, got '4,x'")])
+def test_logits_bad_chunks_before_loading(tmp_path, unreadable_weights, chunks, message):
     np.save(tmp_path / "ids.npy", np.load(TINY_A / "golden.npz")["input_ids"])
-    r = dsv4rt("logits", TINY_A, "--ids", tmp_path / "ids.npy", "--out", tmp_path / "o.npy", "--chunks", chunks)
-    assert_one_line_error(r, message)
-    assert not (tmp_path / "o.npy").exists() and os.listdir(tmp_path) == ["ids.npy"]
+    r = run("logits", unreadable_weights, "--ids", tmp_path / "ids.npy", "--out", tmp_path / "o.npy", "--chunks", chunks)
+    assert assert_one_line_error(r) == f"error: {message}"
+    assert sorted(os.listdir(tmp_path)) == ["ids.npy", "m"]
 
 
 @pytest.mark.parametrize("ids, message", [(np.zeros((2, 3), np.int64), "1-D integer array"),
                                           (np.array([1.5]), "1-D integer array"),
-                                          (np.array([7, 512]), "token ids must lie in [0, 512)")])
-def test_logits_bad_ids(tmp_path, ids, message):
+                                          (np.array([], np.int64), "non-empty"),
+                                          (np.array([7, 512]), "--ids: token ids must lie in [0, 512), got 7..512"),
+                                          (np.array([-1, 5]), "--ids: token ids must lie in [0, 512), got -1..5")])
+def test_logits_bad_ids_before_loading(tmp_path, unreadable_weights, ids, message):
     np.save(tmp_path / "ids.npy", ids)
-    r = dsv4rt("logits", TINY_A, "--ids", tmp_path / "ids.npy", "--out", tmp_path / "o.npy")
-    assert_one_line_error(r, message)
+    r = run("logits", unreadable_weights, "--ids", tmp_path / "ids.npy", "--out", tmp_path / "o.npy")
+    assert_one_line_error(r, "--ids: ", message)
     assert not (tmp_path / "o.npy").exists()
+
+
+def test_logits_ids_that_are_not_a_file(tmp_path):
+    os.mkfifo(tmp_path / "ids.npy")  # reading it would wait for a writer forever
+    r = run("logits", TINY_A, "--ids", tmp_path / "ids.npy", "--out", tmp_path / "o.npy")
+    assert assert_one_line_error(r) == f"error: --ids: {tmp_path / 'ids.npy'}: is a FIFO, not a regular file"
+    (tmp_path / "x.npy").write_bytes(b"not numpy")
+    r = run("logits", TINY_A, "--ids", tmp_path / "x.npy", "--out", tmp_path / "o.npy")
+    assert_one_line_error(r, f"--ids: {tmp_path / 'x.npy'}: not a readable .npy file")
 
 
 def test_logits_cuda_refused_clearly(tmp_path):
@@ -94,7 +124,7 @@ def test_logits_cuda_refused_clearly(tmp_path):
     if gpu_visible():
         pytest.skip("a GPU is visible")
     np.save(tmp_path / "ids.npy", np.array([1, 2, 3]))
-    r = dsv4rt("logits", TINY_A, "--ids", tmp_path / "ids.npy", "--out", tmp_path / "o.npy", "--device", "cuda")
+    r = run("logits", TINY_A, "--ids", tmp_path / "ids.npy", "--out", tmp_path / "o.npy", "--device", "cuda")
     assert_one_line_error(r, "--device cuda")
 
 
@@ -132,17 +162,17 @@ def test_bad_checkpoint_gives_one_line(tmp_path, kind, message, command):
         _write_bad(model, kind)
     np.save(tmp_path / "ids.npy", np.array([1, 2, 3]))
     extra = ["--ids", tmp_path / "ids.npy", "--out", tmp_path / "o.npy"] if command == "logits" else []
-    r = dsv4rt(command, model, *extra)
+    r = run(command, model, *extra)
     if kind == "sizes disagree" and command == "inspect":
-        assert r.returncode == 0  # inspect lists what is there; only loading checks it against the config
+        assert r.exit_code == 0  # inspect lists what is there; only loading checks it against the config
         return
     assert_one_line_error(r, message)
     assert not (tmp_path / "o.npy").exists()
 
 
 def test_inspect_lists_tensors_kinds_and_counts():
-    r = dsv4rt("inspect", TINY_A)
-    assert r.returncode == 0, r.stderr
+    r = run("inspect", TINY_A)
+    assert r.exit_code == 0, r.stderr
     assert "layers.2.attn.indexer.wq_b.weight" in r.stdout and "F32" in r.stdout
     assert "layer kinds: 0:c16a/hash 1:sliding/hash 2:c4a 3:c16a 4:c4a" in r.stdout
     assert "parameters:" in r.stdout
@@ -164,13 +194,21 @@ def test_make_tiny_writes_official_names_and_dtypes(tiny_model):
 
 
 def test_make_tiny_refuses_existing_folder(tiny_model):
-    assert_one_line_error(dsv4rt("make-tiny", tiny_model, "--preset", "tiny"), "already exists")
-    assert_one_line_error(dsv4rt("make-tiny", tiny_model.parent / "x", "--preset", "huge"), "unknown preset")
+    assert_one_line_error(run("make-tiny", tiny_model, "--preset", "tiny"), "already exists")
+    r = run("make-tiny", tiny_model.parent / "x", "--preset", "huge")
+    assert assert_one_line_error(r, code=2) == \
+        "error: Invalid value for '--preset': 'huge' is not one of 'demo', 'flash-slice', 'tiny'."
     assert not (tiny_model.parent / "x").exists()
 
 
+def test_make_tiny_help_lists_the_presets():
+    from dsv4rt.tiny import PRESETS
+    r = run("make-tiny", "--help")
+    assert r.exit_code == 0 and f"[{'|'.join(PRESETS)}]" in r.stdout, r.stdout
+
+
 def test_make_tiny_is_deterministic(tiny_model, tmp_path):
-    assert dsv4rt("make-tiny", tmp_path / "again", "--preset", "tiny", "--seed", "3").returncode == 0
+    assert run("make-tiny", tmp_path / "again", "--preset", "tiny", "--seed", "3").exit_code == 0
     assert (tmp_path / "again" / "model.safetensors").read_bytes() == (tiny_model / "model.safetensors").read_bytes()
 
 
@@ -198,7 +236,7 @@ def test_chat_exit_command_stops_reading(tiny_model):
 
 
 def test_chat_bad_flag_value(tiny_model):
-    assert_one_line_error(dsv4rt("chat", tiny_model, "-p", "x", "--top-p", "0"), "top_p")
+    assert_one_line_error(run("chat", tiny_model, "-p", "x", "--top-p", "0"), "top_p")
 
 
 def test_chat_creates_demo_model_once(tmp_path):
@@ -244,8 +282,8 @@ def test_faithful_numerics_may_ask_for_the_gpu(tmp_path):
     if gpu_visible():
         pytest.skip("a GPU is visible")
     np.save(tmp_path / "ids.npy", np.array([1, 2, 3]))
-    r = dsv4rt("logits", TINY_A, "--ids", tmp_path / "ids.npy", "--out", tmp_path / "o.npy", "--device", "cuda",
-               "--numerics", "faithful")
+    r = run("logits", TINY_A, "--ids", tmp_path / "ids.npy", "--out", tmp_path / "o.npy", "--device", "cuda",
+            "--numerics", "faithful")
     assert_one_line_error(r, "--device cuda: no NVIDIA GPU visible")
 
 
@@ -267,3 +305,171 @@ def test_flash_slice_in_the_released_format_fits_the_faithful_kernels():
     assert default_numerics(cfg) == "faithful"
     kinds = {k.name: k.entry_bytes for k in build_plan(cfg).kinds}
     assert (kinds["window"], kinds["indexer"]) == (584, 68)
+
+
+# --- every value checked before any model is loaded, naming its option or key --------------------
+
+@pytest.mark.parametrize("change, message", [
+    ({"layer_types": 5}, "key 'layer_types' must be a list of strings, got 5"),
+    ({"compress_ratios": [[4]] * 5, "layer_types": None}, "key 'compress_ratios' must be a list of integers, got [[4], [4], [4], [4], [4]]"),
+    ({"eos_token_id": [[1]]}, "key 'eos_token_id' must be an id or a non-empty list of ids, got [[1]]"),
+    ({"rope_theta": float("nan"), "rope_parameters": None}, "key 'rope_theta' must be a finite number above 1, got nan"),
+    ({"rope_theta": -1.0, "rope_parameters": None}, "key 'rope_theta' must be a finite number above 1, got -1.0"),
+    ({"rms_norm_eps": -1e-6}, "key 'rms_norm_eps' must be a finite number in (0, 1), got -1e-06"),
+    ({"routed_scaling_factor": float("nan")}, "key 'routed_scaling_factor' must be a finite number in (0, 100], got nan"),
+    ({"rope_scaling": {"type": "yarn", "factor": 0, "original_max_position_embeddings": 64}, "rope_parameters": None},
+     "key 'rope_scaling.factor' must be a finite number of at least 1, got 0"),
+])
+@pytest.mark.parametrize("command", ["inspect", "logits", "plan"])
+def test_bad_config_value_gives_one_line_naming_file_and_key(tmp_path, change, message, command):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes((TINY_A / "model.safetensors").read_bytes())
+    cfg = json.loads((TINY_A / "config.json").read_text())
+    cfg.update(change)
+    (model / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    np.save(tmp_path / "ids.npy", np.array([1, 2, 3]))
+    args = {"inspect": ["inspect", model], "plan": ["plan", "--model", model, "--context", 64],
+            "logits": ["logits", model, "--ids", tmp_path / "ids.npy", "--out", tmp_path / "o.npy"]}[command]
+    assert assert_one_line_error(run(*args)) == f"error: {model / 'config.json'}: {message}"
+    assert not (tmp_path / "o.npy").exists()
+
+
+@pytest.fixture
+def prompts(tmp_path) -> Path:
+    (tmp_path / "prompts.txt").write_text("Hello\nHow are you?\n")
+    return tmp_path / "prompts.txt"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
+    (["--temperature", "inf"], "--temperature must be a finite number >= 0, got inf"),
+    (["--seed", "-1"], "--seed must be an integer from 0 to 2**64 - 1, got -1"),
+    (["--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+    (["--top-k", "-3"], "--top-k must be an integer >= 0, got -3"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1, got 0"),
+])
+def test_generate_checks_sampling_options_before_loading(tmp_path, prompts, flags, message):
+    r = run("generate", tmp_path / "no-such-model", "--prompts", prompts, *flags)
+    assert assert_one_line_error(r) == f"error: {message}"
+
+
+def test_generate_checks_the_prompts_file_before_loading(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    r = run("generate", tmp_path / "no-such-model", "--prompts", tmp_path / "fifo")
+    assert assert_one_line_error(r) == f"error: --prompts: {tmp_path / 'fifo'}: is a FIFO, not a regular file"
+    (tmp_path / "blank.txt").write_text("\n  \n")
+    r = run("generate", tmp_path / "no-such-model", "--prompts", tmp_path / "blank.txt")
+    assert assert_one_line_error(r) == f"error: --prompts: {tmp_path / 'blank.txt'}: no prompts (one per line)"
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n")
+    r = run("generate", tmp_path / "no-such-model", "--prompts", tmp_path / "latin1.txt")
+    assert assert_one_line_error(r) == f"error: --prompts: {tmp_path / 'latin1.txt'}: not UTF-8 text"
+
+
+def test_generate_takes_top_k_and_top_p(tiny_model, prompts):
+    """top-k 1 leaves the argmax alone, whatever the temperature; so does a top-p that keeps one token."""
+    def tokens(*flags):
+        r = run("generate", tiny_model, "--prompts", prompts, "--max-new-tokens", 5, "--json", "--device", "cpu",
+                "--seed", 1, *flags)
+        assert r.exit_code == 0, r.stderr
+        return [json.loads(line)["token_ids"] for line in r.stdout.splitlines()]
+    greedy = tokens("--temperature", 0)
+    assert tokens("--temperature", 5, "--top-k", 1) == greedy
+    assert tokens("--temperature", 0.01, "--top-p", 1e-9) == greedy
+
+
+def test_option_type_errors_are_one_line():
+    r = run("generate", "m", "--prompts", "p", "--seed", "abc")
+    assert assert_one_line_error(r, code=2) == "error: Invalid value for '--seed': 'abc' is not a valid integer."
+    assert assert_one_line_error(run("no-such-command"), code=2) == "error: No such command 'no-such-command'."
+
+
+@pytest.mark.parametrize("args, message", [
+    (["decode", "--batch", "1,0"], "Invalid value for '--batch': '1,0' is not a comma-separated list of positive whole numbers"),
+    (["decode", "--context", "inf"], "Invalid value for '--context': 'inf' is not a comma-separated list of positive whole numbers"),
+    (["decode", "--copy-gbps", "nan"], "Invalid value for '--copy-gbps': nan must be a finite number above 0"),
+    (["decode", "--reps", "0"], "Invalid value for '--reps': 0 is not in the range x>=1."),
+    (["prefill", "--tokens", "x"], "Invalid value for '--tokens': 'x' is not a comma-separated list of positive whole numbers"),
+    (["serve", "--prompt-len", "50,10"], "Invalid value for '--prompt-len': '50,10' must be min,max with min <= max"),
+    (["serve", "--output-len", "16"], "Invalid value for '--output-len': '16' must be min,max with min <= max"),
+    (["serve", "--seed", "-2"], "Invalid value for '--seed': -2 is not in the range 0<=x<=4294967295."),
+])
+def test_bench_options_are_checked(tmp_path, args, message):
+    r = run("bench", args[0], "--model", tmp_path / "no-such-model", *args[1:])
+    assert assert_one_line_error(r, code=2) == f"error: {message}"
+
+
+# --- build: progress per file, one line without the CUDA extras -----------------------------------
+
+def test_build_without_the_cuda_extras(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # what `pip install -e .` alone leaves
+    monkeypatch.setitem(sys.modules, "cuda.bindings.nvrtc", None)
+    line = assert_one_line_error(run("build", "--arch", "sm_90a"))
+    assert line.startswith("error: dsv4rt build needs NVRTC, from the CUDA extras: pip install -e '.[cu13]'"), line
+
+
+def test_build_shows_progress_per_kernel_file(tmp_path, monkeypatch):
+    pytest.importorskip("cuda.bindings")
+    from dsv4rt.cuda import build
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("rmsnorm.cu", "common.cuh"):
+        (src / name).write_bytes((build.source_dir() / name).read_bytes())
+    (src / "copy.cu").write_text((src / "rmsnorm.cu").read_text())
+    monkeypatch.setattr(build, "source_dir", lambda: src)
+    monkeypatch.setenv("DSV4RT_CACHE_DIR", str(tmp_path / "cache"))
+    first, again = run("build", "--arch", "sm_90a"), run("build", "--arch", "sm_90a")
+    assert first.exit_code == 0 and again.exit_code == 0, first.stderr
+    lines = first.stderr.splitlines()
+    assert lines[0] == f"building 2 kernel files for sm_90a into {tmp_path / 'cache'}"
+    assert lines[1].startswith("[1/2] copy.cu ... compiled in ") and lines[1].endswith(" s")
+    assert lines[2].startswith("[2/2] rmsnorm.cu ... compiled in ")
+    assert again.stderr.splitlines()[1:] == ["[1/2] copy.cu ... cached", "[2/2] rmsnorm.cu ... cached"]
+
+
+# --- the demo model ---------------------------------------------------------------------------------
+
+def _first_chat_setup(cache: str, start, results):
+    os.environ["XDG_CACHE_HOME"] = cache
+    from dsv4rt.cli.chat import _ensure_demo
+    start.wait()
+    try:
+        results.put(str(_ensure_demo()))
+    except BaseException as e:
+        results.put(f"{type(e).__name__}: {e}")
+
+
+def test_two_first_chats_at_once_share_one_demo_model(tmp_path):
+    """Both build the demo; one rename wins, the other finds the winner's (identical) model in place."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("fork")
+    start, results = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_first_chat_setup, args=(str(tmp_path), start, results)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    demo = tmp_path / "dsv4rt" / "demo"
+    assert sorted(results.get(timeout=5) for _ in procs) == [str(demo)] * 2
+    assert sorted(p.name for p in demo.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert [p.name for p in (tmp_path / "dsv4rt").iterdir()] == ["demo"]  # the loser's temporary folder is gone
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("temperature", float("nan"), "temperature must be a finite number >= 0, got nan"),
+    ("temperature", True, "temperature must be a finite number >= 0, got True"),
+    ("top_p", 0, "top_p must be in (0, 1], got 0"),
+    ("top_k", 2.5, "top_k must be an integer >= 0, got 2.5"),
+    ("max_new_tokens", np.int64(0), "max_new_tokens must be an integer >= 1, got 0"),
+    ("seed", -1, "seed must be an integer from 0 to 2**64 - 1, got -1"),
+    ("seed", 2 ** 64, "seed must be an integer from 0 to 2**64 - 1, got 18446744073709551616"),
+    ("seed", 1.0, "seed must be an integer from 0 to 2**64 - 1, got 1.0"),
+])
+def test_sampling_params_check_names_the_field(field, value, message):
+    from dsv4rt.reference.sampling import SamplingParams
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**{field: value}).check()
+    assert str(e.value) == message
+    assert SamplingParams(temperature=np.float32(0.5), top_k=np.int32(3), seed=2 ** 64 - 1).check()

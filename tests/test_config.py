@@ -1,5 +1,6 @@
 """config.json in both spellings; missing or inconsistent keys are errors that name the key."""
 import json
+import os
 
 import pytest
 
@@ -98,3 +99,92 @@ def test_file_errors(tmp_path):
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ConfigError, match="JSON object"):
         ModelConfig.load(tmp_path)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"layer_types": 5}, "key 'layer_types' must be a list of strings, got 5"),
+    ({"compress_ratios": [[4]] * 44}, "key 'compress_ratios' must be a list of integers, got [[4], [4]"),
+    ({"compress_ratios": [True] * 44}, "key 'compress_ratios' must be a list of integers"),
+    ({"compress_ratios": [0, 1] * 22}, "key 'compress_ratios' must hold 0 and at most two ratios above 1"),
+    ({"mlp_layer_types": "moe"}, "key 'mlp_layer_types' must be a list of strings, got 'moe'"),
+    ({"eos_token_id": [[1]]}, "key 'eos_token_id' must be an id or a non-empty list of ids, got [[1]]"),
+    ({"eos_token_id": []}, "key 'eos_token_id' must be an id or a non-empty list of ids, got []"),
+    ({"eos_token_id": 129280}, "key 'eos_token_id' must be an integer from 0 to 129279, got 129280"),
+    ({"bos_token_id": -1}, "key 'bos_token_id' must be an integer from 0 to 129279, got -1"),
+    ({"rope_theta": float("nan")}, "key 'rope_theta' must be a finite number above 1, got nan"),
+    ({"rope_theta": -10000.0}, "key 'rope_theta' must be a finite number above 1, got -10000.0"),
+    ({"rope_theta": 1}, "key 'rope_theta' must be a finite number above 1, got 1"),
+    ({"compress_rope_theta": float("inf")}, "key 'compress_rope_theta' must be a finite number above 1, got inf"),
+    ({"rms_norm_eps": -1e-6}, "key 'rms_norm_eps' must be a finite number in (0, 1), got -1e-06"),
+    ({"hc_eps": "small"}, "key 'hc_eps' must be a number, got 'small'"),
+    ({"routed_scaling_factor": float("nan")}, "key 'routed_scaling_factor' must be a finite number in (0, 100]"),
+    ({"routed_scaling_factor": 1e30}, "key 'routed_scaling_factor' must be a finite number in (0, 100]"),
+    ({"swiglu_limit": 0}, "key 'swiglu_limit' must be a finite number above 0, got 0"),
+    ({"rope_scaling": {"type": "yarn", "factor": 0, "original_max_position_embeddings": 65536}},
+     "key 'rope_scaling.factor' must be a finite number of at least 1, got 0"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 0}},
+     "key 'rope_scaling.original_max_position_embeddings' must be an integer from 1 to 2147483647, got 0"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 9, "beta_slow": -1}},
+     "key 'rope_scaling.beta_slow' must be a finite number above 0, got -1"),
+    ({"rope_scaling": "yarn"}, "key 'rope_scaling' must be an object, got 'yarn'"),
+    ({"hidden_size": 2 ** 31}, "key 'hidden_size' must be an integer from 1 to 2147483647, got 2147483648"),
+    ({"hidden_size": 10 ** 5000}, "key 'hidden_size' must be an integer from 1 to 2147483647, got an integer of 16610 bits"),
+    ({"hidden_size": 4096.5}, "key 'hidden_size' must be an integer, got 4096.5"),
+    ({"hidden_size": True}, "key 'hidden_size' must be an integer, got True"),
+    ({"head_dim": -512}, "key 'head_dim' must be an integer from 1 to 2147483647, got -512"),
+    ({"hc_sinkhorn_iters": 10 ** 6}, "key 'hc_sinkhorn_iters' must be an integer from 1 to 1000, got 1000000"),
+    ({"n_shared_experts": 2}, "key 'n_shared_experts' must be an integer from 0 to 1, got 2"),
+    ({"num_hash_layers": -1}, "key 'num_hash_layers' must be an integer from 0 to 2147483647, got -1"),
+    ({"compress_rates": {CSA: 1}}, f"key 'compress_rates.{CSA}' must be an integer from 2 to 2147483647, got 1"),
+    ({"compress_rates": [4, 128]}, "key 'compress_rates' must be an object, got [4, 128]"),
+    ({"quantization_config": 5}, "key 'quantization_config' must be an object, got 5"),
+    ({"partial_rotary_factor": 1e-9, "qk_rope_head_dim": None}, "key 'qk_rope_head_dim' must be even, positive"),
+])
+def test_bad_value_is_named_with_its_range(change, message):
+    with pytest.raises(ConfigError) as e:
+        from_dict(dict(raw("flash"), **change))
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_bad_value_in_the_hf_spelling_names_its_path():
+    r = raw("flash")
+    r.pop("rope_scaling")
+    r["rope_parameters"] = {"main": {"rope_theta": float("nan")}, "compress": {"rope_theta": 160000.0}}
+    with pytest.raises(ConfigError, match=r"^key 'rope_parameters.main.rope_theta' must be a finite number"):
+        from_dict(r)
+
+
+def test_file_errors_name_the_file_and_the_key(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(raw("flash"), rope_theta=float("nan"))))  # json writes NaN, and reads it
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.load(tmp_path)
+    assert str(e.value) == f"{path}: key 'rope_theta' must be a finite number above 1, got nan"
+    path.write_text(json.dumps(dict(raw("flash"), hidden_size=10 ** 100)))
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.load(path)
+    assert str(e.value) == f"{path}: key 'hidden_size' must be an integer from 1 to 2147483647, got an integer of 333 bits"
+    path.write_text('{"hidden_size": ' + "9" * 5000 + "}")  # Python's own parser refuses past 4300 digits
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.load(path)
+    assert str(e.value) == f"{path}: config is not valid JSON (an integer of 5000 digits)"
+    path.write_bytes(b'{"a": "\xff"}')
+    with pytest.raises(ConfigError, match="config is not UTF-8 text"):
+        ModelConfig.load(path)
+    path.write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        ModelConfig.load(path)
+
+
+def test_special_files_are_refused(tmp_path):
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "config.json")  # reading it would wait for a writer forever
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.load(fifo)
+    assert str(e.value) == f"{fifo / 'config.json'}: is a FIFO, not a regular file"
+    with pytest.raises(ConfigError, match="is a character device, not a regular file"):
+        ModelConfig.load("/dev/zero")
+    (tmp_path / "folder" / "config.json").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="config.json: is a folder, not a regular file"):
+        ModelConfig.load(tmp_path / "folder")

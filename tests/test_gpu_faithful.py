@@ -1,14 +1,14 @@
-"""Faithful numerics on the GPU (MODEL.md section 9): GpuModel(..., numerics="faithful") against the faithful numpy
+"""Faithful numerics on the GPU (docs/numerics.md): GpuModel(..., numerics="faithful") against the faithful numpy
 reference, the engine and the commands on it; without a GPU, which stored formats the faithful build takes.
 
 Models: tiny-a (every weight float32, so faithful means the fp8 main cache and the fp4 indexer keys only; the
-reference is stable there to ulp noise, MODEL.md 9a), "official" (`make-tiny --preset tiny --format official`: fp8
+reference is stable there to ulp noise, docs/numerics.md#tolerances), "official" (`make-tiny --preset tiny --format official`: fp8
 attention GEMMs, fp4 routed and fp8 shared experts) and "mid" (the same format at widths that are multiples of 128,
 so that prefill GEMMs of more than 16 rows take the wgmma kernel, and index_head_dim 128, the tensor-core indexer).
 
 Why the released-format models are not checked at 1e-4 at every position: act_quant rounds every GEMM input onto
 e4m3, and a value within rounding noise of an e4m3 midpoint lands on either neighbour, a 3-6% step of that element,
-which the caches then carry to later tokens (MODEL.md 9a). Measured with the numpy reference itself (float32
+which the caches then carry to later tokens (docs/numerics.md#tolerances). Measured with the numpy reference itself (float32
 weights times 1 + 1e-6·N(0, 1), the size of float32 reordering noise, 300 tokens): "official" moved 0 to 63 of
 the 300 positions by more than 1e-4, up to 3e-2; "mid" moved 95-100% of them by a median 3e-2, about as far as
 exact numerics are from faithful. Layer by layer (teacher forcing, inputs times 1 + 1e-6·N) the same noise left
@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from conditioned import T as CONDITIONED_T, conditioned_ids, make_conditioned
 from conftest import TINY_A, rel_rows
 from dsv4rt.config import CSA, HASH_MOE, HCA, MOE, SLIDING
 from dsv4rt.loader import Checkpoint, quant_fp4, quant_fp8, scale_name, to_official
@@ -76,14 +77,17 @@ def incremental(state, forward, ids, split) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
-    from dsv4rt.tiny import _BASE, make_tiny, write_random_checkpoint
+    from dsv4rt.presets import _BASE
+    from dsv4rt.tiny import make_tiny, write_random_checkpoint
     f = dict(np.load(TINY_A / "faithful_fp32.npz"))
     chunks = dict(np.load(TINY_A / "golden.npz"))["chunks"]
     root = tmp_path_factory.mktemp("faithful")
     official = make_tiny(root / "official", "tiny", 3, fmt="official")
     mid = write_random_checkpoint(root / "mid", dict(_BASE, **MID), 1, tokenizer=False, fmt="official")
+    conditioned = make_conditioned(root / "conditioned")
     rng = np.random.default_rng(0)
     return {"tiny-a": Case(TINY_A, f["input_ids"], chunks, f["split"]),
+            "conditioned": Case(conditioned, conditioned_ids(), CHUNKS[:2] + [CONDITIONED_T - 101], SPLIT),
             "official": Case(official, rng.integers(2, 120000, T), CHUNKS, SPLIT),
             "mid": Case(mid, rng.integers(2, MID["vocab_size"], T), CHUNKS, SPLIT)}
 
@@ -142,6 +146,18 @@ def test_tiny_a_faithful_differs_from_exact_by_the_quantisation(rt, cases):
 # --- the released formats ---------------------------------------------------------------------------------------
 
 @gpu
+def test_conditioned_release_float32_matches_the_reference_in_every_run(rt, cases):
+    """tests/conditioned.py: the released formats where no routing or indexer choice can flip; fp8 attention GEMMs,
+    fp4 experts with the routing weight before w2's act_quant, fp8 cache, fp4 indexer keys: 1e-4 at every position."""
+    case = cases["conditioned"]
+    m = gpu_model(rt, case, np.float32)
+    assert m.numerics == "faithful" and m.fp8_attention and m.fp4_experts
+    runs = gpu_runs(m, case)
+    for mode, got in runs.items():
+        assert rel_rows(got, case.run(mode)).max() < 1e-4, mode
+
+
+@gpu
 @pytest.mark.parametrize("name", RELEASED)
 def test_released_format_float32_layers_with_teacher_forcing(rt, cases, name):
     """Each layer alone, fed the faithful reference's input streams, against its output streams: median within
@@ -184,7 +200,7 @@ def test_bf16_layers_with_teacher_forcing(rt, cases, name):
 def test_end_to_end_statistics(rt, cases, name, dtype):
     """One prefill, chunked and token by token against the reference's runs of the same feeding: median error and
     argmax agreement printed; finite everywhere, the float32 build's argmax agreeing at 80% at least (chaos alone
-    kept 88-99% on these models, MODEL.md 9a), the bf16 build's at 50% (a guard against outright breakage)."""
+    kept 88-99% on these models, docs/numerics.md#tolerances), the bf16 build's at 50% (a guard against outright breakage)."""
     case = cases[name]
     m = gpu_model(rt, case, dtype)
     for mode, ours in gpu_runs(m, case).items():

@@ -1,4 +1,4 @@
-"""The whole GPU forward against the golden logits (MODEL.md 9a: float32 build tightly, bf16 statistically
+"""The whole GPU forward against the golden logits (docs/numerics.md#tolerances: float32 build tightly, bf16 statistically
 and layer by layer with teacher forcing)."""
 import ml_dtypes
 import numpy as np
@@ -80,8 +80,8 @@ def test_bf16_build_end_to_end_statistics(rt, name):
 # sit near ties that bf16 rounding flips (token 131 of layer 2: 8th and 9th indexer scores 2e-4 apart):
 # measured 98.75% (layer 2) and 96.25% (layer 4) on the H200. A numpy model of the same bf16 roundings
 # (weights, GEMM and norm outputs, RoPE'd q/kv, streams) misses too: 97.5% (layer 2), 98.75%
-# (layer 4). Open in that issue, hence the non-strict xfail.
-TINY_A_FLIPS = pytest.mark.xfail(reason="bf16 flips tiny-a's near-tie top-8 selections (see above)", strict=False)
+# (layer 4). Open in that issue; the xfail is strict (pyproject.toml), so a fix shows as a failing XPASS.
+TINY_A_FLIPS = pytest.mark.xfail(reason="bf16 flips tiny-a's near-tie top-8 selections (see above)")
 
 
 @pytest.mark.parametrize("name", [pytest.param("tiny-a", marks=TINY_A_FLIPS), "real-ratios"])

@@ -1,4 +1,4 @@
-"""cuda_src/fp8.cu against the numpy reference (MODEL.md section 9): act_quant byte for byte against
+"""cuda_src/fp8.cu against the numpy reference (docs/numerics.md#act-quant): act_quant byte for byte against
 reference.quant.act_quant, the fp8 decode GEMM against reference.ops.Linear on the dequantised weight with
 act_quant on its input (the faithful fp8 linear layer), at Flash and odd sizes; the W8A16 form (wo_a: fp8 weight,
 unquantised input, grouped) against numpy on the dequantised weight, and the weight expansion bit for bit."""

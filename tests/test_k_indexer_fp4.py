@@ -1,4 +1,4 @@
-"""Faithful-mode indexer keys on the GPU (MODEL.md section 9): compress_pool storing the indexer cache as packed
+"""Faithful-mode indexer keys on the GPU (docs/numerics.md#indexer-rounding): compress_pool storing the indexer cache as packed
 entries (the Hadamard-rotated key's e2m1 codes and e8m0 scales: the bytes of reference.layouts.encode_indexer_key),
 indexer_select rotating and rounding q in place (reference.quant.indexer_round) and scoring from the packed keys.
 
@@ -20,7 +20,8 @@ from test_k_compress import (PagePool, Uploads, check_selection, index_weights, 
                              page_table)
 from dsv4rt.config import ModelConfig
 from dsv4rt.kv import plan
-from dsv4rt.model.compress import hadamard_size, indexer_entry_bytes
+from dsv4rt.kv.entries import indexer_entry_bytes
+from dsv4rt.model.compress import hadamard_size
 from dsv4rt.model.paged import PagedCache
 from dsv4rt.reference import layouts
 from dsv4rt.reference.compressor import Compressor

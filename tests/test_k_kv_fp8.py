@@ -1,4 +1,4 @@
-"""Faithful-mode main KV cache on the GPU (MODEL.md section 9): fusion 3 and compress_pool storing entries with
+"""Faithful-mode main KV cache on the GPU (docs/numerics.md#kv-cache-rounding): fusion 3 and compress_pool storing entries with
 the nope dims on e4m3 (the bf16 build: the bytes of reference.layouts.encode_kv; the float32 build: float32 rows
 holding reference.quant.kv_round's values), and sparse attention reading them.
 
@@ -16,7 +16,7 @@ from test_k_attention import (DECODE_LENGTHS, MODES, PADDING_POSITION, SIZES, WI
                               compressed_cache, inv_freq, reference_attention, rounded, window_cache)
 from dsv4rt.config import ModelConfig
 from dsv4rt.kv.plan import main_entry_bytes
-from dsv4rt.model.attention import kv_entry_bytes, packed_kv
+from dsv4rt.kv.entries import kv_entry_bytes, packed_kv
 from dsv4rt.model.paged import PagedCache
 from dsv4rt.reference import layouts
 from dsv4rt.reference.compressor import Compressor

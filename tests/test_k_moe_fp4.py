@@ -1,4 +1,4 @@
-"""cuda_src/moe_fp4.cu and model/moe_fp4.py against numpy (MODEL.md sections 8 to 10). The fp4 expert GEMM reads
+"""cuda_src/moe_fp4.cu and model/moe_fp4.py against numpy (docs/model.md#moe, docs/formats.md#storage-formats). The fp4 expert GEMM reads
 the checkpoint layout: one-hot activation rows give Wᵀ bit for bit against loader.formats.dequant_fp4 (nibble
 order, scale indexing, groups cut short by k, gathered rows). The decode MoE against reference.moe.MoE with
 act_quant in front of every expert GEMM over the dequantised weights: Flash sizes (32 experts, top 6), odd sizes,

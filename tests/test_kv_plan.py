@@ -1,6 +1,9 @@
-"""KV plan: page geometry, three size classes, and MODEL.md section 12's cache sizes."""
+"""KV plan: page geometry, three size classes, and the cache sizes of docs/caches.md#bytes-per-token."""
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -58,7 +61,7 @@ def test_flash_state_pages():
     assert (exact["state_main_c4a"].stride, exact["state_main_c4a"].width) == (4, 8)
 
 
-# Expected bytes for one 2^20-token sequence, from the section 12 figures: every compressed and
+# Expected bytes for one 2^20-token sequence, from the docs/caches.md#bytes-per-token figures: every compressed and
 # indexer layer holds 4096 blocks; a window straddles 3 pages of 64 tokens; a state window straddles
 # at most ceil((width-1)/P)+1 pages of P tokens.
 EXPECTED = {
@@ -89,7 +92,7 @@ def test_sequence_of_a_million_tokens_matches_model_md(model, numerics):
     assert s["bytes_per_sequence"] == e["entries"] + e["windows"] + e["states"]
     assert s["overhead_bytes"] == e["windows"] + e["states"]
     assert s["total_bytes"] == 3 * s["bytes_per_sequence"]
-    # MODEL.md quotes the entries alone to 2 decimals (its faithful figures from "about 82 B per
+    # docs/caches.md quotes the entries alone to 2 decimals (its faithful figures from "about 82 B per
     # token per layer", 0.008 GiB above the exact formula). Windows and states are a fixed 18-34 MiB
     # per sequence, at most 0.6% of it, so the totals land within 0.5% of the quoted figures.
     entries_gib = e["entries"] / GIB
@@ -144,8 +147,7 @@ def test_entry_sizes_are_the_kernels(numerics, element_bytes):
     """What the plan gives each main and indexer entry is what the launchers check the caches against."""
     import ml_dtypes
     import numpy as np
-    from dsv4rt.model.attention import kv_entry_bytes
-    from dsv4rt.model.compress import indexer_entry_bytes
+    from dsv4rt.kv.entries import indexer_entry_bytes, kv_entry_bytes
     dtype = {2: ml_dtypes.bfloat16, 4: np.float32}[element_bytes]
     faithful = numerics == "faithful"
     for cfg in (flash(), pro(), tiny_a()):
@@ -241,3 +243,11 @@ def test_plan_of_a_folder_uses_its_config():
     # 4 blocks per compressed layer; the 16-token window straddles 2 pages of 64, each state 2 pages
     assert s["bytes_per_sequence"] == (4 * (2 * 4096 + 2 * 2048 + 2 * 1024) + 2 * 5 * 4096
                                        + 2 * (2 * 4096 + 2 * 2048 + 2 * 4096))
+
+
+def test_the_plan_imports_nothing_of_the_gpu_model():
+    """kv/ sits below model/: the entry sizes the plan needs live in kv/entries.py."""
+    code = "import sys, dsv4rt.kv.plan; print(sorted(m for m in sys.modules if m.startswith('dsv4rt.model')))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                       env=dict(os.environ, PYTHONPATH=str(FIXTURES.parent.parent)))
+    assert r.stdout.strip() == "[]"

@@ -1,5 +1,8 @@
-"""DeepSeek V4 chat encoding: messages -> prompt text, following the official `encoding_dsv4.py` rules."""
+"""DeepSeek V4 chat encoding: messages -> prompt text, following the official `encoding_dsv4.py` rules
+(docs/formats.md#chat-format)."""
 import json
+
+from .tokenizer import encode_plain, marker_pattern
 
 BOS_TEXT = "<｜begin▁of▁sentence｜>"
 EOS_TEXT = "<｜end▁of▁sentence｜>"
@@ -51,23 +54,71 @@ You MUST strictly follow the above defined tool name and parameter schemas to in
 _RESPONSE_FORMAT_TEXT = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
 
 
+_TOOL_CHOICE_TEXT = "\nYou MUST call {what} in this response.\n"
+
+
+class Typed(str):
+    """Text the client wrote: marker strings inside it are ordinary text, never control tokens."""
+
+    __slots__ = ()
+
+
 def encode_messages(messages, thinking_mode="chat", add_bos=True, drop_thinking=True, reasoning_effort=None,
-                    tools=None) -> str:
+                    tools=None, tool_choice=None) -> str:
     """Render a message list as the V4 prompt; a trailing user turn gets the generation prompt.
 
-    `tools` (OpenAI function list) attaches to the leading system/developer message, as the official test cases do.
+    `tools` (OpenAI function list) attaches to the first system/developer message (an empty system message is put
+    first when there is none), as the official test cases do. `tool_choice` "none" leaves the tools out; "required"
+    and a named function add one sentence after the tool schemas (the official encoder has no tool_choice).
     `reasoning_effort="max"` adds the Think-Max instruction in thinking mode.
     """
+    return "".join(render_pieces(messages, thinking_mode, add_bos, drop_thinking, reasoning_effort, tools, tool_choice))
+
+
+def encode_prompt_ids(tokenizer, messages, thinking_mode="chat", **kwargs) -> list:
+    """Token ids of the prompt: marker strings are control tokens in the template's own text, plain text in the
+    client's (a user typing `<｜Assistant｜>` must not open an assistant turn)."""
+    markers = marker_pattern(tokenizer)
+    ids, run = [], []
+
+    def flush():
+        text = "".join(run)
+        run.clear()
+        if text:
+            ids.extend(encode_plain(tokenizer, text))
+
+    for piece in render_pieces(messages, thinking_mode, **kwargs):
+        if isinstance(piece, Typed):
+            run.append(piece)
+            continue
+        start = 0
+        for found in markers.finditer(piece):
+            run.append(piece[start:found.start()])
+            flush()
+            ids.append(tokenizer.token_to_id(found.group()))
+            start = found.end()
+        run.append(piece[start:])
+    flush()
+    return ids
+
+
+def render_pieces(messages, thinking_mode="chat", add_bos=True, drop_thinking=True, reasoning_effort=None,
+                  tools=None, tool_choice=None) -> list:
+    """The prompt as a list of strings: `Typed` ones are the client's text, plain ones the template's."""
     if thinking_mode not in ("chat", "thinking"):
         raise ValueError(f"thinking_mode must be 'chat' or 'thinking', not {thinking_mode!r}")
     if reasoning_effort not in (None, "high", "max"):
         raise ValueError(f"reasoning_effort must be None, 'high' or 'max', not {reasoning_effort!r}")
+    _check_messages(messages)
     thinking = thinking_mode == "thinking"
     msgs = _order_tool_results(_merge_tool_messages(messages))
+    tools, must_call = _chosen_tools(tools, tool_choice)
     if tools:
-        if not msgs or msgs[0].get("role") not in ("system", "developer"):
-            raise ValueError("tool definitions need a system or developer message first")
-        msgs[0]["tools"] = tools
+        host = next((m for m in msgs if m.get("role") in ("system", "developer")), None)
+        if host is None:
+            host = {"role": "system", "content": ""}
+            msgs.insert(0, host)
+        host["tools"], host["must_call"] = tools, must_call
     # Tool use relies on earlier reasoning, so the official encoder keeps it whenever tools are defined.
     keep_reasoning = not drop_thinking or any(m.get("tools") for m in msgs)
     if thinking and not keep_reasoning:
@@ -77,39 +128,108 @@ def encode_messages(messages, thinking_mode="chat", add_bos=True, drop_thinking=
     if thinking and reasoning_effort == "max" and msgs:
         out.append(MAX_EFFORT_TEXT)
     for i in range(len(msgs)):
-        out.append(_body(i, msgs, thinking, keep_reasoning, last_user))
+        out += _body(i, msgs, thinking, keep_reasoning, last_user)
         out.append(_transition(i, msgs, thinking, keep_reasoning, last_user))
-    return "".join(out)
+    return out
 
 
-def encode_prompt_ids(tokenizer, messages, thinking_mode="chat", **kwargs) -> list:
-    """Token ids of the prompt; the special-token strings in the text map to their single ids."""
-    return tokenizer.encode(encode_messages(messages, thinking_mode, **kwargs), add_special_tokens=False).ids
+_ROLES = ("system", "user", "assistant", "tool", "developer", "latest_reminder")
+
+
+def _check_messages(messages):
+    """The shapes the renderer relies on; a client's JSON can hold anything (contents are checked in `_text`)."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise ValueError("messages must be a list of objects")
+    for n, msg in enumerate(messages):
+        if msg.get("role") not in _ROLES:
+            raise ValueError(f"unknown message role {msg.get('role')!r}")
+        for key in ("task", "tool_call_id"):
+            if not isinstance(msg.get(key, ""), (str, type(None))):
+                raise ValueError(f"messages[{n}].{key} must be a string")
+        calls = msg.get("tool_calls") or []
+        if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("id", ""), (str, type(None)))
+                and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str) for c in calls):
+            raise ValueError(f'messages[{n}].tool_calls must be a list of {{"id": ..., "function": {{"name": ...}}}}')
+        if msg.get("tools"):
+            _check_tools(msg["tools"])
+
+
+def _check_tools(tools):
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+            for t in tools):
+        raise ValueError('tools must be a list of {"type": "function", "function": {"name": ...}} objects')
+
+
+def _chosen_tools(tools, tool_choice):
+    """(tools to show, sentence demanding a call or None) for OpenAI `tools` and `tool_choice`."""
+    if tools is None:
+        tools = []
+    _check_tools(tools)
+    if tool_choice in (None, "auto"):
+        return tools, None
+    if tool_choice == "none":
+        return [], None
+    if not tools:
+        raise ValueError(f"tool_choice {tool_choice!r} needs tools")
+    if tool_choice == "required":
+        return tools, _TOOL_CHOICE_TEXT.format(what="at least one of the above tools")
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise ValueError('tool_choice must be "auto", "none", "required" or {"type": "function", '
+                         '"function": {"name": ...}}')
+    chosen = [t for t in tools if t["function"]["name"] == name]
+    if not chosen:
+        raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
+    return chosen, _TOOL_CHOICE_TEXT.format(what=f'the tool "{name}"')
+
+
+def _text(value, what):
+    """Message text: a string, null, or a list of OpenAI text parts (joined by newlines)."""
+    if value is None:
+        return Typed("")
+    if isinstance(value, str):
+        return Typed(value)
+    if isinstance(value, list):
+        parts = []
+        for part in value:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"{what} part of type {kind!r} is not supported (text only)")
+            parts.append(part["text"])
+        return Typed("\n".join(parts))
+    raise ValueError(f"{what} must be a string or a list of text parts, not {type(value).__name__}")
 
 
 def _body(i, msgs, thinking, keep_reasoning, last_user):
     msg = msgs[i]
-    role, content = msg.get("role"), msg.get("content")
+    role = msg.get("role")
+    content = _text(msg.get("content"), f"{role} content")
     if role == "system":
-        return (content or "") + _extras(msg)
+        return [content, *_extras(msg)]
     if role == "developer":
         if not content:
             raise ValueError("a developer message needs content")
-        return USER_TEXT + content + _extras(msg)
+        return [USER_TEXT, content, *_extras(msg)]
     if role == "user":
         blocks = msg.get("content_blocks")
-        return USER_TEXT + ("\n\n".join(_block_text(b) for b in blocks) if blocks else content or "")
+        if not blocks:
+            return [USER_TEXT, content]
+        out = [USER_TEXT]
+        for n, block in enumerate(blocks):
+            out += (["\n\n"] if n else []) + _block_pieces(block)
+        return out
     if role == "latest_reminder":
-        return REMINDER_TEXT + (content or "")
-    if role == "assistant":
-        reasoning = ""
-        # The answer to a quick-instruction task never carries a reasoning block.
-        after_task = i > 0 and msgs[i - 1].get("task") is not None
-        if thinking and not after_task and (keep_reasoning or i > last_user):
-            reasoning = (msg.get("reasoning_content") or "") + END_THINK_TEXT
-        calls = _tool_calls_text(msg.get("tool_calls"))
-        return reasoning + (content or "") + calls + ("" if msg.get("wo_eos") else EOS_TEXT)
-    raise ValueError(f"unknown message role {role!r}")
+        return [REMINDER_TEXT, content]
+    # assistant (roles were checked up front, tool turns merged into user ones)
+    reasoning = []
+    # The answer to a quick-instruction task never carries a reasoning block.
+    after_task = i > 0 and msgs[i - 1].get("task") is not None
+    if thinking and not after_task and (keep_reasoning or i > last_user):
+        reasoning = [_text(msg.get("reasoning_content"), "reasoning_content"), END_THINK_TEXT]
+    return [*reasoning, content, *_tool_calls_pieces(msg.get("tool_calls")), "" if msg.get("wo_eos") else EOS_TEXT]
 
 
 def _transition(i, msgs, thinking, keep_reasoning, last_user):
@@ -131,43 +251,49 @@ def _transition(i, msgs, thinking, keep_reasoning, last_user):
 
 
 def _extras(msg):
-    text = ""
+    out = []
     if msg.get("tools"):
-        schemas = "\n".join(_to_json(t["function"]) for t in msg["tools"])
-        text += "\n\n" + _TOOLS_TEXT.replace("{schemas}", schemas)
+        head, tail = _TOOLS_TEXT.split("{schemas}")
+        out += ["\n\n" + head, Typed("\n".join(_to_json(t["function"]) for t in msg["tools"])), tail]
+        if msg.get("must_call"):
+            out.append(msg["must_call"])
     if msg.get("response_format"):
-        text += "\n\n" + _RESPONSE_FORMAT_TEXT + _to_json(msg["response_format"])
-    return text
+        out += ["\n\n" + _RESPONSE_FORMAT_TEXT, Typed(_to_json(msg["response_format"]))]
+    return out
 
 
-def _block_text(block):
+def _block_pieces(block):
     kind = block.get("type")
     if kind == "text":
-        return block.get("text", "")
+        return [_text(block.get("text"), "user content")]
     if kind != "tool_result":
-        return f"[Unsupported {kind}]"
-    result = block.get("content", "")
+        return [Typed(f"[Unsupported {kind}]")]
+    result = block.get("content")
     if isinstance(result, list):
         result = "\n\n".join(b.get("text", "") if b.get("type") == "text" else f"[Unsupported {b.get('type')}]"
-                             for b in result)
-    return f"<tool_result>{result}</tool_result>"
+                             for b in result if isinstance(b, dict))
+    return ["<tool_result>", _text(result, "tool content"), "</tool_result>"]
 
 
-def _tool_calls_text(tool_calls):
+def _tool_calls_pieces(tool_calls):
     if not tool_calls:
-        return ""
-    invokes = []
-    for call in tool_calls:
+        return []
+    out = [f"\n\n<{DSML}tool_calls>\n"]
+    for n, call in enumerate(tool_calls):
         fn = call["function"]
-        params = "\n".join(
-            f'<{DSML}parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">'
-            f"{v if isinstance(v, str) else _to_json(v)}</{DSML}parameter>"
-            for k, v in _arguments(fn["arguments"]).items())
-        invokes.append(f'<{DSML}invoke name="{fn["name"]}">\n{params}\n</{DSML}invoke>')
-    return f"\n\n<{DSML}tool_calls>\n" + "\n".join(invokes) + f"\n</{DSML}tool_calls>"
+        out += (["\n"] if n else []) + [f'<{DSML}invoke name="', Typed(fn["name"]), '">\n']
+        for k, (key, value) in enumerate(_arguments(fn.get("arguments")).items()):
+            string = isinstance(value, str)
+            out += (["\n"] if k else []) + [f'<{DSML}parameter name="', Typed(key),
+                                            f'" string="{"true" if string else "false"}">',
+                                            Typed(value if string else _to_json(value)), f"</{DSML}parameter>"]
+        out.append(f"\n</{DSML}invoke>")
+    out.append(f"\n</{DSML}tool_calls>")
+    return out
 
 
 def _arguments(raw):
+    """The official encoder's reading of `arguments`: a JSON object string, anything else is one "arguments" value."""
     try:
         parsed = json.loads(raw)
     except (TypeError, ValueError):

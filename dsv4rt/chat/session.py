@@ -1,54 +1,19 @@
-"""A conversation over one model: history, prompt encoding, streamed generation."""
+"""A conversation over the Engine: history, prompt encoding, streamed replies.
+
+Every turn is one Engine request for the whole history (the prefix cache spares recomputing it), so a
+chat samples exactly what the Engine does for the same prompt and seed. A reply stopped early
+(Ctrl-C) is kept in the history as far as it got; its request is aborted, so the next turn starts
+from the recorded history alone, as a fresh run of it would. A turn that fails leaves the history as
+it was before the turn."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Iterator
 
-import numpy as np
-
-from ..reference.sampling import SamplingParams, sample
+from ..reference.sampling import SamplingParams
 from .detok import StreamDecoder
 from .encoding import encode_prompt_ids
-from .tokenizer import END_THINK, EOS
-
-
-class Generator:
-    """Keeps one request's state and the ids it has consumed, so a follow-up prompt that extends
-    them only feeds the new tokens."""
-
-    def __init__(self, model):
-        self.model = model
-        self.reset()
-
-    def reset(self):
-        self.state = self.model.new_state()
-        self.fed: list[int] = []
-
-    def prefill(self, ids: list[int]) -> np.ndarray:
-        if ids[:len(self.fed)] != self.fed or len(ids) == len(self.fed):
-            self.reset()
-        new = ids[len(self.fed):]
-        logits = self._last_logits(np.array(new))
-        self.fed += new
-        return logits
-
-    def step(self, token: int) -> np.ndarray:
-        self.fed.append(token)
-        return self._last_logits(np.array([token]))
-
-    def _last_logits(self, ids: np.ndarray) -> np.ndarray:
-        return self.model.forward(self.state, ids)[-1]
-
-
-class GpuGenerator(Generator):
-    """The same over the GPU model's request slot 0 (dsv4rt.model.forward.GpuModel)."""
-
-    def reset(self):
-        self.model.reset()
-        self.fed = []
-
-    def _last_logits(self, ids: np.ndarray) -> np.ndarray:
-        return self.model.forward(ids, last_only=True)[-1]
+from .tokenizer import END_THINK
 
 
 @dataclass
@@ -56,61 +21,74 @@ class Reply:
     reasoning: str = ""
     content: str = ""
     tokens: int = 0
+    finish_reason: str | None = None
 
 
 @dataclass
 class ChatSession:
-    generator: Generator
-    tokenizer: object
+    engine: object                  # dsv4rt.engine.Engine
     params: SamplingParams = field(default_factory=SamplingParams)
     thinking: bool = False
     system: str | None = None
     messages: list = field(default_factory=list)
 
-    def __post_init__(self):
-        self.reseed()
-
-    def reseed(self):
-        self.rng = np.random.default_rng(self.params.seed)
-
     def clear(self):
         self.messages = []
-        self.generator.reset()
 
-    def prompt_ids(self) -> list[int]:
-        msgs = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
-        return encode_prompt_ids(self.tokenizer, msgs, "thinking" if self.thinking else "chat")
+    def prompt_ids(self, messages: list | None = None) -> list[int]:
+        msgs = ([{"role": "system", "content": self.system}] if self.system else []) + \
+            (self.messages if messages is None else messages)
+        return encode_prompt_ids(self.engine.tokenizer, msgs, "thinking" if self.thinking else "chat")
+
+    def turn_request(self, text: str) -> tuple[list[int], SamplingParams]:
+        """The prompt ids and sampling settings of the answer to `text`; ValueError when the prompt leaves
+        no room in the context. The reply is cut to the positions left."""
+        ids = self.prompt_ids(self.messages + [{"role": "user", "content": text}])
+        room = self.engine.max_len - len(ids)
+        if room < 1:
+            raise ValueError(f"the message is too long: the prompt would be {len(ids)} tokens and the context "
+                             f"holds {self.engine.max_len}; /clear forgets the conversation")
+        params = SamplingParams(**{**vars(self.params), "max_new_tokens": min(self.params.max_new_tokens, room)})
+        return ids, params
 
     def reply(self, text: str, out: Reply) -> Iterator[str]:
-        """Stream the answer to `text` piece by piece; `out` collects it. Stopping the iteration
-        early (Ctrl-C) still records what was produced so far."""
-        self.messages.append({"role": "user", "content": text})
-        decoder = StreamDecoder(self.tokenizer)
+        """Stream the answer to `text` piece by piece; `out` collects it. Stopping the iteration early
+        records what was produced so far; an error records nothing."""
+        ids, params = self.turn_request(text)
+        stream = self.engine.loop.submit(ids, params)
+        decoder = StreamDecoder(self.engine.tokenizer)
         in_reasoning = self.thinking
+        complete = False
         try:
-            logits = self.generator.prefill(self.prompt_ids())
-            for _ in range(self.params.max_new_tokens):
-                token = sample(logits, self.params, self.rng)
-                if token == EOS:
-                    break
-                out.tokens += 1
-                if token == END_THINK and in_reasoning:
-                    in_reasoning = False
-                    out.reasoning += decoder.flush()
-                    yield "\n\n"
-                else:
+            for tokens in stream:
+                for token in tokens:
+                    out.tokens += 1
+                    if token == END_THINK and in_reasoning:
+                        in_reasoning = False
+                        out.reasoning += decoder.flush()
+                        yield "\n\n"
+                        continue
                     piece = decoder.push(token)
                     if in_reasoning:
                         out.reasoning += piece
                     else:
                         out.content += piece
                     yield piece
-                logits = self.generator.step(token)
             tail = decoder.flush()
             out.content += tail
             yield tail
+            complete = True
+        except GeneratorExit:
+            complete = True                  # stopped by the reader: keep what came
+            raise
         finally:
-            msg = {"role": "assistant", "content": out.content}
-            if out.reasoning:
-                msg["reasoning_content"] = out.reasoning
-            self.messages.append(msg)
+            stream.close()
+            out.finish_reason = stream.finish_reason
+            if complete or out.finish_reason == "abort":
+                self._record(text, out)
+
+    def _record(self, text: str, out: Reply) -> None:
+        msg = {"role": "assistant", "content": out.content}
+        if out.reasoning:
+            msg["reasoning_content"] = out.reasoning
+        self.messages += [{"role": "user", "content": text}, msg]

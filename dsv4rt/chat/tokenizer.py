@@ -1,4 +1,6 @@
 """The DeepSeek V4 tokenizer: a Hugging Face fast BPE `tokenizer.json`, loaded without transformers."""
+import json
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -46,3 +48,29 @@ def load_tokenizer(model_dir=None) -> Tokenizer:
         if tokenizer.token_to_id(text) != want:
             raise ValueError(f"{path} is not a DeepSeek V4 tokenizer: {text} is not id {want}")
     return tokenizer
+
+
+_derived = {}
+
+
+def _text_only(tokenizer):
+    """(tokenizer without added tokens, regex of the added-token strings), built once per tokenizer."""
+    entry = _derived.get(id(tokenizer))
+    if entry is None or entry[0] is not tokenizer:
+        spec = json.loads(tokenizer.to_str())
+        spec["added_tokens"] = []
+        markers = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values()), key=len, reverse=True)
+        # Longest first, so at one position the longest marker wins, as the tokenizer's own matcher does.
+        entry = (tokenizer, Tokenizer.from_str(json.dumps(spec)), re.compile("|".join(map(re.escape, markers))))
+        _derived[id(tokenizer)] = entry
+    return entry
+
+
+def encode_plain(tokenizer, text) -> list[int]:
+    """Ids of `text` read as ordinary text: a marker string such as `<｜User｜>` in it is not its control token."""
+    return _text_only(tokenizer)[1].encode(text, add_special_tokens=False).ids
+
+
+def marker_pattern(tokenizer) -> re.Pattern:
+    """Regex matching every added-token string of `tokenizer` (the strings it turns into control tokens)."""
+    return _text_only(tokenizer)[2]

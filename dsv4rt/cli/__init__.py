@@ -10,6 +10,9 @@ class Commands(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except click.UsageError as e:  # a bad option: its one line, without the usage text around it
+            click.echo(f"error: {e.format_message()}", err=True)
+            sys.exit(e.exit_code)
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
         except KeyboardInterrupt:
@@ -31,6 +34,6 @@ def main():
 
 
 # the command modules register themselves on `main`
-from . import bench, build, chat, generate, model_tools, plan  # noqa: E402,F401
+from . import bench, build, chat, generate, model_tools, plan, serve, template  # noqa: E402,F401
 
 __all__ = ["main"]

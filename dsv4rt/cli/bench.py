@@ -3,6 +3,7 @@ serving run's latencies. Each prints a table and writes JSON (--json)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import click
@@ -13,11 +14,29 @@ from . import main
 COPY_GBPS = 4300.0
 
 
-def _ints(text: str) -> list[int]:
+def _ints(ctx, param, text: str) -> list[int]:
+    """A click callback: positive whole numbers, comma-separated (1e6 allowed)."""
     try:
-        return [int(float(x)) for x in text.split(",") if x]
+        values = [float(x) for x in text.split(",") if x]
     except ValueError:
-        raise click.BadParameter(f"'{text}' is not a comma-separated list of numbers") from None
+        values = []
+    if not values or not all(math.isfinite(v) and v >= 1 and v == int(v) for v in values):
+        raise click.BadParameter(f"'{text}' is not a comma-separated list of positive whole numbers")
+    return [int(v) for v in values]
+
+
+def _span(ctx, param, text: str) -> list[int]:
+    """A click callback: min,max with 1 <= min <= max."""
+    values = _ints(ctx, param, text)
+    if len(values) != 2 or values[0] > values[1]:
+        raise click.BadParameter(f"'{text}' must be min,max with min <= max")
+    return values
+
+
+def _positive(ctx, param, value: float) -> float:
+    if not (math.isfinite(value) and value > 0):
+        raise click.BadParameter(f"{value} must be a finite number above 0")
+    return value
 
 
 def _write(path: str | None, data: dict) -> None:
@@ -46,43 +65,58 @@ def bench():
 
 @bench.command()
 @click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False))
-@click.option("--batch", "batches", default="1,8,32,64", show_default=True)
-@click.option("--context", "contexts", default="4096,65536,1048576", show_default=True)
-@click.option("--reps", default=50, show_default=True, type=int)
-@click.option("--copy-gbps", default=COPY_GBPS, show_default=True, type=float)
+@click.option("--batch", "batches", default="1,8,32,64", show_default=True, callback=_ints)
+@click.option("--context", "contexts", default="4096,65536,1048576", show_default=True, callback=_ints)
+@click.option("--reps", default=50, show_default=True, type=click.IntRange(min=1))
+@click.option("--copy-gbps", default=COPY_GBPS, show_default=True, type=float, callback=_positive)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
 def decode(model_dir, batches, contexts, reps, copy_gbps, json_path):
     """Decode step time (CUDA graph replays) at each batch × context. The context is made by filling the
     caches with random entries of the right layout (no prefill), so 1M-token contexts take seconds."""
     from .. import benchmarks
-    rows = benchmarks.decode(model_dir, _ints(batches), _ints(contexts), reps, copy_gbps)
+    rows = benchmarks.decode(model_dir, batches, contexts, reps, copy_gbps)
     _table(rows, ["batch", "context", "step_ms", "roofline_ms", "fraction", "host_us", "gbps", "note"])
     _write(json_path, dict(kind="decode", copy_gbps=copy_gbps, context_fill="random entries", rows=rows))
 
 
 @bench.command()
 @click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False))
-@click.option("--tokens", default="8192,65536", show_default=True)
+@click.option("--tokens", default="8192,65536", show_default=True, callback=_ints)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
 def prefill(model_dir, tokens, json_path):
     """Prefill throughput of one prompt of each length (random token ids), through the chunked forward."""
     from .. import benchmarks
-    rows = benchmarks.prefill(model_dir, _ints(tokens))
+    rows = benchmarks.prefill(model_dir, tokens)
     _table(rows, ["tokens", "seconds", "tokens_per_s", "note"])
     _write(json_path, dict(kind="prefill", rows=rows))
 
 
 @bench.command()
-@click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False))
-@click.option("--requests", default=64, show_default=True, type=int)
-@click.option("--prompt-len", default="64,2048", show_default=True, help="min,max prompt tokens")
-@click.option("--output-len", default="16,256", show_default=True, help="min,max new tokens")
-@click.option("--max-running", default=64, show_default=True, type=int)
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--model", "model_dir", type=click.Path(file_okay=False), help="serve in this process (the GPU)")
+@click.option("--url", help="drive a running `dsv4rt serve` at http://HOST:PORT over HTTP, each client streaming")
+@click.option("--api-key", help="the server's --api-key")
+@click.option("--against", type=click.Path(exists=True, dir_okay=False),
+              help="the --json file of another serve run, shown beside this one")
+@click.option("--requests", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--prompt-len", default="64,2048", show_default=True, callback=_span, help="min,max prompt tokens")
+@click.option("--output-len", default="16,256", show_default=True, callback=_span, help="min,max new tokens")
+@click.option("--max-running", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2 ** 32 - 1))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
-def serve(model_dir, requests, prompt_len, output_len, max_running, seed, json_path):
-    """N requests of random lengths, all arriving at once, served by the engine to completion."""
-    from .. import benchmarks
-    row = benchmarks.serve(model_dir, requests, _ints(prompt_len), _ints(output_len), max_running, seed)
-    _table([row], list(row))
+def serve(model_dir, url, api_key, against, requests, prompt_len, output_len, max_running, seed, json_path):
+    """N requests of random lengths, all arriving at once, served to completion by the engine in this
+    process (--model) or by a running server over HTTP (--url); the same requests either way."""
+    if (model_dir is None) == (url is None):
+        raise click.UsageError("give one of --model (in process) and --url (a running server)")
+    rows = []
+    if against:
+        with open(against) as f:
+            rows = [dict(r, where=r.get("where", against)) for r in json.load(f)["rows"]]
+    if url:
+        from ..server.load import drive, workload
+        row = dict(where=url, **drive(url, workload(requests, prompt_len, output_len, seed), api_key))
+    else:
+        from .. import benchmarks
+        row = dict(where="in process", **benchmarks.serve(model_dir, requests, prompt_len, output_len, max_running, seed))
+    _table(rows + [row], list(row))
     _write(json_path, dict(kind="serve", rows=[row]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 
 import click
 
@@ -33,20 +34,49 @@ def _gpu_arch() -> str:
         raise RuntimeError("no GPU visible; pass --arch (e.g. sm_90a)") from None
 
 
+def _need_nvrtc() -> None:
+    try:
+        from cuda.bindings import nvrtc
+        result = nvrtc.nvrtcVersion()
+    except Exception as e:  # no cuda-bindings, or no NVRTC library for it to load
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RuntimeError(f"dsv4rt build needs NVRTC, from the CUDA extras: pip install -e '.[cu13]' "
+                           f"('.[cu12]' on a CUDA 12 driver) ({reason})") from None
+    if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"NVRTC does not load: {result[0]}")
+
+
+def _compile_each(arch: str) -> list:
+    """Every kernel file, with a progress line each on stderr: a first build takes minutes."""
+    from ..cuda.build import cache_dir, compile_module, instantiations, kernel_sources
+    sources = kernel_sources()
+    click.echo(f"building {len(sources)} kernel files for {arch} into {cache_dir()}", err=True)
+    built = []
+    for i, path in enumerate(sources, 1):
+        click.echo(f"[{i:{len(str(len(sources)))}d}/{len(sources)}] {path.name} ... ", nl=False, err=True)
+        t0 = time.perf_counter()
+        module = compile_module(path.stem, arch, instantiations(path.read_text()), src_dir=path.parent)
+        seconds = time.perf_counter() - t0
+        click.echo("cached" if module.cached else f"compiled in {seconds:.1f} s", err=True)
+        built.append((path.name, module, seconds))
+    return built
+
+
 @main.command()
 @click.option("--arch", help="target, e.g. sm_90a (default: the GPU's)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 def build(arch, as_json):
     """Compile every kernel to CUBIN and fill the kernel cache."""
-    from ..cuda.build import KernelBuildError, build_all, cache_dir, ptxas_report
+    if arch is not None and not re.fullmatch(r"sm_\d{2,3}[af]?", arch):
+        raise ValueError(f"--arch must look like sm_90a, got '{arch}'")
+    _need_nvrtc()
+    from ..cuda.build import KernelBuildError, cache_dir, ptxas_report
     if arch is None:
         arch = _gpu_arch()
-    elif not re.fullmatch(r"sm_\d{2,3}[af]?", arch):
-        raise ValueError(f"--arch must look like sm_90a, got '{arch}'")
     try:
-        built = build_all(arch)
+        built = _compile_each(arch)
     except KernelBuildError as e:
-        click.echo(f"error: {e}", err=True)  # the whole NVRTC log: its file(line) entries are the point
+        click.echo(f"\nerror: {e}", err=True)  # the whole NVRTC log: its file(line) entries are the point
         sys.exit(1)
     rows = []
     for file, module, seconds in built:

@@ -19,7 +19,7 @@ HELP = """commands:
   /help                 this text
 Ctrl-C stops the current reply."""
 
-CHAT_MAX_LEN = 1 << 16        # positions of one conversation on the GPU
+CHAT_MAX_LEN = 1 << 16        # positions of one conversation: a longer prompt is refused
 CHAT_KV_BYTES = 4 << 30
 _SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "max_new_tokens": int, "seed": int}
 
@@ -34,21 +34,44 @@ def _ensure_demo() -> Path:
     if not (path / "config.json").exists():
         from ..tiny import make_tiny
         click.echo(f"creating the demo model (random weights, V4 tokenizer) in {path}", err=True)
-        make_tiny(path, "demo", seed=0)
+        try:
+            make_tiny(path, "demo", seed=0)  # built in a temporary folder, renamed into place when complete
+        except (ValueError, OSError):
+            # another first-time chat renamed its copy into place first: the same seed, the same model
+            if not (path / "config.json").exists():
+                raise
     return path
 
 
-def _say(session, text: str) -> None:
+def _say(session, text: str) -> bool:
+    """Print the reply to `text`; False when the turn failed (its error is one line on stderr)."""
     from ..chat.session import Reply
     out = Reply()
+    pieces = session.reply(text, out)
     try:
-        for piece in session.reply(text, out):
+        for piece in pieces:
             sys.stdout.write(piece)
             sys.stdout.flush()
     except KeyboardInterrupt:
+        pieces.close()
         sys.stdout.write(" [stopped]")
+    except (ValueError, RuntimeError, OSError, MemoryError) as e:
+        pieces.close()
+        if out.tokens:
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+        click.echo(f"error: {_one_line(e)}", err=True)
+        return False
     sys.stdout.write("\n")
     sys.stdout.flush()
+    return True
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, MemoryError):
+        return "out of host memory"
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _command(session, line: str) -> bool:
@@ -69,16 +92,18 @@ def _command(session, line: str) -> bool:
         if key not in _SETTABLE:
             click.echo(f"/set: unknown setting '{key}' (one of {', '.join(_SETTABLE)})")
             return True
+        kind = _SETTABLE[key]
         try:
-            old = getattr(session.params, key)
-            setattr(session.params, key, _SETTABLE[key](value))
-            session.params.check()
-        except ValueError as e:
-            setattr(session.params, key, old)
-            click.echo(f"/set: {e}")
+            parsed = kind(value)
+        except ValueError:
+            click.echo(f"/set: {key} must be {'an integer' if kind is int else 'a number'}, got '{value}'")
             return True
-        if key == "seed":
-            session.reseed()
+        try:
+            params = SamplingParams(**{**vars(session.params), key: parsed}).check()
+        except ValueError as e:
+            click.echo(f"/set: {_one_line(e)}")
+            return True
+        session.params = params
         click.echo(f"({key} = {getattr(session.params, key)})")
     elif name == "help":
         click.echo(HELP)
@@ -87,13 +112,11 @@ def _command(session, line: str) -> bool:
     return True
 
 
-def _generator(path: Path, device: str, numerics: str | None):
-    from ..chat.session import Generator, GpuGenerator
+def _engine(path: Path, device: str, numerics: str | None):
+    from ..engine import Engine
     if device == "cuda":
-        from ..model.forward import GpuModel
-        return GpuGenerator(GpuModel(path, max_len=CHAT_MAX_LEN, kv_bytes=CHAT_KV_BYTES, numerics=numerics))
-    from ..reference import load_model
-    return Generator(load_model(path, numerics))
+        return Engine(path, "cuda", kv_bytes=CHAT_KV_BYTES, max_running=1, max_len=CHAT_MAX_LEN, numerics=numerics)
+    return Engine(path, "cpu", max_len=CHAT_MAX_LEN, numerics=numerics)
 
 
 @main.command()
@@ -110,19 +133,26 @@ def _generator(path: Path, device: str, numerics: str | None):
 @click.option("--numerics", type=click.Choice(["exact", "faithful"]), help="default: faithful for fp8 checkpoints")
 def chat(model, prompt, system, temperature, top_p, top_k, seed, max_new_tokens, thinking, device, numerics):
     """Talk to MODEL (default: the built-in demo model)."""
-    from ..chat import load_tokenizer
     from ..chat.session import ChatSession
     params = SamplingParams(temperature, top_p, top_k, max_new_tokens, seed).check()
     path = Path(model) if model else _ensure_demo()
     device = resolve_device(device)
-    session = ChatSession(_generator(path, device, numerics), load_tokenizer(path), params, thinking, system)
+    session = ChatSession(_engine(path, device, numerics), params, thinking, system)
+    # The demo's weights are random: its replies are noise, which a newcomer should hear every time.
+    random = " (the demo model: random weights, its replies are noise)" if model is None else ""
     if prompt is not None:
-        _say(session, prompt)
+        if random:
+            click.echo(f"dsv4rt chat: {path}{random}", err=True)
+        if not _say(session, prompt):
+            sys.exit(1)
         return
     interactive = sys.stdin.isatty()
+    where = "the GPU" if device == "cuda" else "the CPU"
+    banner = f"dsv4rt chat: {path} on {where}{random}."
     if interactive:
-        where = "the GPU" if device == "cuda" else "the CPU"
-        click.echo(f"dsv4rt chat: {path} on {where}. /help for commands, Ctrl-D to leave.")
+        click.echo(f"{banner} /help for commands, Ctrl-D to leave.")
+    elif random:
+        click.echo(banner, err=True)
     while True:
         try:
             line = input(">>> " if interactive else "")

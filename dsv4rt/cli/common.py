@@ -1,4 +1,4 @@
-"""Helpers shared by the commands: backend choice and atomic output files."""
+"""Helpers shared by the commands: backend choice, option names and atomic output files."""
 from __future__ import annotations
 
 import os
@@ -20,6 +20,11 @@ def resolve_device(name: str) -> str:
     if name == "auto" and gpu_visible():
         return "cuda"
     return "cpu"
+
+
+def option_name(field: str) -> str:
+    """The command-line spelling of a SamplingParams field, for its error messages."""
+    return "--" + field.replace("_", "-")
 
 
 def save_npy_atomic(path: str | Path, array: np.ndarray) -> None:

@@ -7,19 +7,23 @@ import time
 import click
 
 from . import main
-from .common import DEVICES, resolve_device
+from ..files import read_regular
+from .common import DEVICES, option_name, resolve_device
 from ..reference.sampling import SamplingParams
 
 
 def _read_prompts(path: str) -> list[str]:
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = [line.rstrip("\r\n") for line in f]
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: cannot read prompts ({e})") from None
-    prompts = [line for line in lines if line.strip()]
+        data = read_regular(path, ValueError)
+    except ValueError as e:
+        raise ValueError(f"--prompts: {e}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"--prompts: {path}: not UTF-8 text") from None
+    prompts = [line.rstrip("\r") for line in text.split("\n") if line.strip()]
     if not prompts:
-        raise ValueError(f"{path}: no prompts (one per line)")
+        raise ValueError(f"--prompts: {path}: no prompts (one per line)")
     return prompts
 
 
@@ -28,6 +32,8 @@ def _read_prompts(path: str) -> list[str]:
 @click.option("--prompts", "prompts_path", required=True, type=click.Path(dir_okay=False), help="one prompt a line")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--temperature", default=0.7, show_default=True, type=float, help="0: greedy")
+@click.option("--top-p", default=0.95, show_default=True, type=float)
+@click.option("--top-k", default=0, show_default=True, type=int, help="0 disables the cut")
 @click.option("--seed", type=int, help="default: a fresh seed")
 @click.option("--chat/--raw", default=True, show_default=True, help="wrap each prompt as a user turn, or feed it as is")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object a line: ids, text, finish reason")
@@ -35,12 +41,12 @@ def _read_prompts(path: str) -> list[str]:
 @click.option("--device", type=click.Choice(DEVICES), default="auto", help="auto: the GPU when one is visible")
 @click.option("--numerics", type=click.Choice(["exact", "faithful"]), help="default: faithful for fp8 checkpoints")
 @click.option("--no-prefix-cache", is_flag=True, help="compute every prompt from its first token")
-def generate(model, prompts_path, max_new_tokens, temperature, seed, chat, as_json, stats, device, numerics,
-             no_prefix_cache):
+def generate(model, prompts_path, max_new_tokens, temperature, top_p, top_k, seed, chat, as_json, stats, device,
+             numerics, no_prefix_cache):
     """Complete every prompt of a file, batched by the serving engine."""
     from ..chat import encode_messages
     from ..engine import Engine
-    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed).check()
+    params = SamplingParams(temperature, top_p, top_k, max_new_tokens, seed).check(option_name)
     prompts = _read_prompts(prompts_path)
     texts = [encode_messages([{"role": "user", "content": p}]) for p in prompts] if chat else prompts
     device = resolve_device(device)

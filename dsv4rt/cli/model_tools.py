@@ -1,6 +1,7 @@
 """Commands that work on a checkpoint: logits, inspect, make-tiny."""
 from __future__ import annotations
 
+import io
 from collections import Counter
 from pathlib import Path
 
@@ -8,26 +9,35 @@ import click
 import numpy as np
 
 from . import main
+from ..files import read_regular
+from ..presets import PRESETS
 from .common import DEVICES, resolve_device, save_npy_atomic
 
 
 def _read_ids(path: str) -> np.ndarray:
     try:
-        ids = np.load(path, allow_pickle=False)
+        data = read_regular(path, ValueError)
+    except ValueError as e:
+        raise ValueError(f"--ids: {e}") from None
+    try:
+        ids = np.load(io.BytesIO(data), allow_pickle=False)
     except (OSError, ValueError, EOFError) as e:
-        raise ValueError(f"{path}: not a readable .npy file ({e})") from None
+        raise ValueError(f"--ids: {path}: not a readable .npy file ({str(e).splitlines()[0]})") from None
     if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or len(ids) == 0:
-        raise ValueError(f"{path}: token ids must be a non-empty 1-D integer array, got {ids.dtype} {ids.shape}")
+        raise ValueError(f"--ids: {path}: token ids must be a non-empty 1-D integer array, got {ids.dtype} {ids.shape}")
     return ids.astype(np.int64)
 
 
-def _parse_chunks(text: str | None) -> list[int] | None:
+def _parse_chunks(text: str | None, tokens: int) -> list[int] | None:
     if not text:
         return None
     try:
-        return [int(c) for c in text.split(",")]
+        chunks = [int(c) for c in text.split(",")]
     except ValueError:
         raise ValueError(f"--chunks must be comma-separated integers, got '{text}'") from None
+    if sum(chunks) != tokens or min(chunks) <= 0:
+        raise ValueError(f"--chunks: chunk sizes {chunks} must be positive and sum to the {tokens} tokens")
+    return chunks
 
 
 @main.command()
@@ -43,12 +53,16 @@ def logits(model, ids_path, out, chunks, device, numerics, storage):
     """Write the logits of every position of a prompt, fed in the given chunks."""
     from ..config import ModelConfig
     from ..reference import default_numerics, load_model
-    numerics = numerics or default_numerics(ModelConfig.load(model))
-    where = resolve_device(device)
+    # every option is checked before the weights are read
     ids = _read_ids(ids_path)
-    chunk_sizes = _parse_chunks(chunks)
+    chunk_sizes = _parse_chunks(chunks, len(ids))
     if not Path(out).resolve().parent.is_dir():
         raise ValueError(f"--out: folder {Path(out).parent} does not exist")
+    cfg = ModelConfig.load(model)
+    if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+        raise ValueError(f"--ids: token ids must lie in [0, {cfg.vocab_size}), got {ids.min()}..{ids.max()}")
+    numerics = numerics or default_numerics(cfg)
+    where = resolve_device(device)
     if where == "cpu":
         logits_all = load_model(model, numerics).logits_chunked(ids, chunk_sizes)
     else:
@@ -60,8 +74,6 @@ def _gpu_logits(model, ids, chunk_sizes, storage, numerics) -> np.ndarray:
     import ml_dtypes
     from ..model.forward import GpuModel
     chunk_sizes = chunk_sizes or [len(ids)]
-    if sum(chunk_sizes) != len(ids) or min(chunk_sizes) <= 0:
-        raise ValueError(f"chunk sizes {chunk_sizes} must be positive and sum to the {len(ids)} tokens")
     m = GpuModel(model, np.float32 if storage == "float32" else ml_dtypes.bfloat16, max_len=len(ids),
                  numerics=numerics)
     bounds = np.cumsum([0] + chunk_sizes)
@@ -95,8 +107,9 @@ def inspect(model):
 
 @main.command("make-tiny")
 @click.argument("out", type=click.Path(file_okay=False))
-@click.option("--preset", default="demo", show_default=True)
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--preset", default="demo", show_default=True, type=click.Choice(list(PRESETS)),
+              help="demo: the chat demo; tiny: the smallest; flash-slice: Flash sizes, 8 layers (17 GB)")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2 ** 32 - 1))
 @click.option("--format", "fmt", type=click.Choice(["bf16", "official"]), default="bf16", show_default=True,
               help="official: fp8/fp4 weights with block scales, sharded, as released")
 @click.option("--shard-gb", type=float, help="official format: most bytes per shard, in GB  [default: 5]")

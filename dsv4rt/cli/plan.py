@@ -1,4 +1,5 @@
-"""`dsv4rt plan`: the KV cache a model needs for a context and batch, kind by kind."""
+"""`dsv4rt plan`: the KV cache a model needs for a context and batch, kind by kind; with --gpus, the weights each
+GPU of a group holds and the cache tokens left room for (docs/parallel.md#memory)."""
 from __future__ import annotations
 
 import json
@@ -8,26 +9,56 @@ import click
 from . import main
 from ..config import ModelConfig
 from ..kv.plan import CLASS_NAMES, NUMERICS, build_plan
+from ..parallel.plan import GPU_MEMORY, WORKSPACE, group_plan
 
 GIB, MIB = 1 << 30, 1 << 20
 
 
 @main.command("plan")
 @click.option("--model", required=True, type=click.Path(), help="checkpoint folder or its config.json")
-@click.option("--context", required=True, type=int, help="tokens per sequence")
+@click.option("--context", type=int, help="tokens per sequence")
 @click.option("--batch", default=1, show_default=True, type=int, help="sequences held at once")
 @click.option("--numerics", type=click.Choice(NUMERICS), help="default: faithful for fp8 checkpoints")
+@click.option("--gpus", type=int, help="GPUs of one host the model is split over")
+@click.option("--gpu-memory", default=GPU_MEMORY / GIB, show_default=True, type=float, help="GiB per GPU (--gpus)")
+@click.option("--workspace", default=WORKSPACE / GIB, show_default=True, type=float,
+              help="GiB per GPU set aside for activations, workspaces and graphs (--gpus)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
-def plan_cmd(model, context, batch, numerics, as_json):
-    """Print the KV cache plan: kinds, page sizes, size classes and totals."""
-    if context <= 0:
+def plan_cmd(model, context, batch, numerics, gpus, gpu_memory, workspace, as_json):
+    """Print the KV cache plan: kinds, page sizes, size classes and totals; with --gpus, memory per GPU."""
+    if context is None and gpus is None:
+        raise ValueError("give --context, --gpus or both")
+    if context is not None and context <= 0:
         raise ValueError(f"--context must be positive, got {context}")
     if batch <= 0:
         raise ValueError(f"--batch must be positive, got {batch}")
-    s = build_plan(ModelConfig.load(model), numerics).summary(context, batch)
+    if gpu_memory <= 0 or workspace < 0:
+        raise ValueError(f"--gpu-memory must be positive and --workspace not negative, got {gpu_memory}, {workspace}")
+    cfg = ModelConfig.load(model)
+    g = group_plan(cfg, gpus, round(gpu_memory * GIB), round(workspace * GIB), numerics) if gpus is not None else {}
+    s = build_plan(cfg, numerics).summary(context, batch) if context is not None else {}
     if as_json:
-        click.echo(json.dumps(dict(model=str(model), **s), indent=2))
+        click.echo(json.dumps(dict(model=str(model), **s, **g), indent=2))
         return
+    if g:
+        _print_group(g)
+    if s:
+        _print_cache(s, context, batch)
+
+
+def _print_group(g: dict):
+    click.echo(f"{g['gpus']} GPU{'s' if g['gpus'] > 1 else ''} of {g['gpu_memory_bytes'] / GIB:g} GiB, "
+               f"{g['workspace_bytes'] / GIB:g} GiB each set aside for workspace")
+    click.echo(f"weights: {g['weight_bytes_total'] / GIB:.2f} GiB in all, {g['weight_bytes_per_gpu'] / GIB:.2f} GiB "
+               f"on the fullest GPU ({g['weight_bytes_replicated'] / GIB:.2f} GiB held more than once)")
+    if not g["fits"]:
+        click.echo("the weights and workspace do not fit: no room for a cache")
+        return
+    click.echo(f"cache: {g['kv_tokens']:,} tokens at {g['kv_bytes_per_token']:,.2f} B per token "
+               f"({g['kv_numerics']} numerics), every GPU holding every sequence's cache")
+
+
+def _print_cache(s: dict, context: int, batch: int):
     click.echo(f"{'kind':17s} {'layers':>6s} {'entry B':>8s} {'pos/page':>8s} {'page B':>8s} {'class':>6s} "
                f"{'pages/layer':>11s} {'MiB/seq':>10s}")
     for k in s["kinds"]:

@@ -126,17 +126,23 @@ def _dim3(v) -> tuple[int, int, int]:
 
 
 class Device:
-    """One GPU and its primary context (the one CuPy and other runtime-API users share)."""
+    """One GPU and its primary context (the one CuPy and other runtime-API users share), or a host's own
+    context, whose device it then is."""
 
-    def __init__(self, ordinal: int = 0):
+    def __init__(self, ordinal: int = 0, context=None):
         count = init()
-        if not 0 <= ordinal < count:
-            raise CudaError(f"device {ordinal} requested, {count} visible")
         d = drv()
-        self.ordinal = ordinal
-        self.handle = check(d.cuDeviceGet(ordinal))
-        self.context = check(d.cuDevicePrimaryCtxRetain(self.handle))
-        check(d.cuCtxSetCurrent(self.context))
+        if context is None:
+            if not 0 <= ordinal < count:
+                raise CudaError(f"device {ordinal} requested, {count} visible")
+            self.handle = check(d.cuDeviceGet(ordinal))
+            self.context = check(d.cuDevicePrimaryCtxRetain(self.handle))
+            check(d.cuCtxSetCurrent(self.context))
+        else:
+            self.context = context
+            check(d.cuCtxSetCurrent(context))
+            self.handle = check(d.cuCtxGetDevice())
+        self.ordinal = int(self.handle)
         attr = d.CUdevice_attribute
         self.capability = (check(d.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.handle)),
                            check(d.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.handle)))

@@ -1,7 +1,12 @@
-"""The engine: requests in, tokens out; each step schedules, runs the model and samples."""
+"""The engine: requests in, tokens out; each step schedules, runs the model and samples.
+
+`generate` and `stream` go through the engine loop (dsv4rt/engine/loop.py, which documents the
+concurrency model), so any number of threads may call them at once; step, add_request and abort take
+the engine's lock."""
 from __future__ import annotations
 
 import itertools
+import threading
 from collections import Counter
 import time
 from dataclasses import dataclass
@@ -14,6 +19,7 @@ from ..kv.slab import DEFAULT_SLAB_BYTES, SlabAllocator
 from ..reference import load_model
 from ..reference.sampling import SamplingParams
 from .prefix import PrefixCache
+from .loop import EngineLoop, TokenStream
 from .request import Request
 from .runner import CpuRunner, Runner
 from .scheduler import Scheduler
@@ -36,10 +42,11 @@ class Engine:
                  graphs: bool = True, runtime=None, prefix_cache_bytes: int = 1 << 30):
         """device "cuda": the GPU runner, `dtype` bf16 (or float32, to check it against the reference),
         requests up to max_len positions, decode CUDA graphs unless graphs=False. numerics exact or faithful
-        (MODEL.md section 9), on either device; by default faithful for checkpoints stored in fp8/fp4.
+        (docs/numerics.md#modes), on either device; by default faithful for checkpoints stored in fp8/fp4.
         prefix_cache_blocks (cpu) or prefix_cache_bytes (cuda) bound the prefix cache; 0 turns it off."""
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got '{device}'")
+        self.device = device
         self.tokenizer = load_tokenizer(model_dir)
         self.max_len = max_len
         chunk = token_budget
@@ -65,10 +72,13 @@ class Engine:
         self.scheduler = Scheduler(blocks, token_budget, max_running, self.prefix, max_chunk=chunk)
         self._live: dict[Hashable, Request] = {}
         self._ids = itertools.count()
+        self.lock = threading.RLock()
+        self.loop = EngineLoop(self)
         # steps by (requests, mean position to 1024), for --stats: bounded however long the engine runs
         self.step_shapes: Counter[tuple[int, int]] = Counter()
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> int:
+    def new_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Request:
+        """A checked request, not yet queued (any thread may call it)."""
         params = (params or SamplingParams()).check()
         ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids if isinstance(prompt, str) else \
             [int(t) for t in prompt]
@@ -81,23 +91,48 @@ class Engine:
             raise ValueError(f"{len(ids)} prompt + {params.max_new_tokens} new tokens exceed the engine's "
                              f"max_len {self.max_len}")
         request = Request(next(self._ids), ids, params)
-        self.scheduler.add(request)
-        self._live[request.id] = request
+        self.scheduler.check(request)
+        return request
+
+    def enqueue(self, request: Request) -> None:
+        """Queue a request from new_request."""
+        with self.lock:
+            self.scheduler.add(request)
+            self._live[request.id] = request
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> int:
+        request = self.new_request(prompt, params)
+        self.enqueue(request)
         return request.id
 
     def abort(self, request_id: Hashable) -> bool:
         """Stop a live request and free its pages; False when none has that id."""
-        if self.scheduler.abort(request_id) is None:
-            return False
-        self.runner.release(request_id)
-        self._live.pop(request_id)
-        return True
+        with self.lock:
+            if self.scheduler.abort(request_id) is None:
+                return False
+            self.runner.release(request_id)
+            self._live.pop(request_id)
+            return True
 
     def has_unfinished(self) -> bool:
         return bool(self._live)
 
+    def live_ids(self) -> list[Hashable]:
+        with self.lock:
+            return list(self._live)
+
+    def bind_thread(self) -> None:
+        """Make this engine's device current in the calling thread (the loop's steps run in their own)."""
+        if self.device == "cuda":
+            from ..cuda.driver import check, drv
+            check(drv().cuCtxSetCurrent(self.runner.model.rt.device.context))
+
     def step(self) -> list[RequestOutput]:
         """One scheduled step; the outputs of the requests it finished."""
+        with self.lock:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         step = self.scheduler.schedule()
         if not step:
             if self._live:
@@ -131,44 +166,41 @@ class Engine:
                 finished.append(self.output(request))
         return finished
 
-    def generate(self, prompts: Sequence[str | Sequence[int]],
+    def generate(self, prompts: str | Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run the prompts to completion, batched; outputs in the prompts' order."""
+        """Run the prompts to completion, batched with whatever else the loop runs; outputs in the
+        prompts' order. A bare string is one prompt."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
-        requests = []
+        streams: list[TokenStream] = []
         try:
             for prompt, p in zip(prompts, per_prompt):
-                requests.append(self._live[self.add_request(prompt, p)])
-            while any(not r.done for r in requests):
-                self.step()
+                streams.append(self.loop.submit(prompt, p))
+            for s in streams:
+                s.result()
         except BaseException:
-            for r in requests:
-                self.abort(r.id)
+            for s in streams:
+                s.close()
             raise
-        return [self.output(r) for r in requests]
+        return [self.output(s.request) for s in streams]
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[str]:
         """Text pieces of one completion as they are sampled; closing the iterator early aborts it."""
-        request = self._live[self.add_request(prompt, params)]
-        decoder, sent = StreamDecoder(self.tokenizer), 0
+        tokens = self.loop.submit(prompt, params)
+        decoder = StreamDecoder(self.tokenizer)
         try:
-            while True:
-                while sent < len(request.generated):
-                    piece = decoder.push(request.generated[sent])
-                    sent += 1
-                    if piece:
-                        yield piece
-                if request.done:
-                    break
-                self.step()
+            for ids in tokens:
+                piece = "".join(decoder.push(t) for t in ids)
+                if piece:
+                    yield piece
             tail = decoder.flush()
             if tail:
                 yield tail
         finally:
-            if not request.done:
-                self.abort(request.id)
+            tokens.close()
 
     def _remember(self, request: Request) -> None:
         key = request.prefix_hashes(request.computed)[-1]

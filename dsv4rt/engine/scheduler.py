@@ -47,12 +47,16 @@ class Scheduler:
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def add(self, request: Request) -> None:
+    def check(self, request: Request) -> None:
+        """Refuse a request that would not fit even in the empty cache (reads nothing that changes)."""
         if not self.blocks.fits_ever(request.max_len, min(self.token_budget, self.max_chunk)):
             raise ValueError(
                 f"request {request.id!r} can never fit: {len(request.prompt)} prompt + {request.params.max_new_tokens} "
                 f"new tokens need more than the whole KV cache ({self.blocks.allocator.total_bytes} B); "
                 f"shorten the prompt, lower max_new_tokens or enlarge the cache")
+
+    def add(self, request: Request) -> None:
+        self.check(request)
         request.status = Status.WAITING
         self.waiting.append(request)
 

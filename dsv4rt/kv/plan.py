@@ -16,8 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from ..config import CSA, HCA, ModelConfig
-from ..model.attention import kv_entry_bytes
-from ..model.compress import indexer_entry_bytes as index_key_bytes
+from .entries import indexer_entry_bytes as index_key_bytes, kv_entry_bytes
 
 BLOCK_POSITIONS = 256      # the scheduler's logical block, in raw positions
 WINDOW_PAGE_TOKENS = 64    # a window page then has the size of a c4a compressed page (64 entries)
@@ -106,8 +105,13 @@ class KVPlan:
 
     @property
     def ideal_bytes_per_token(self) -> float:
-        """MODEL.md section 12's figure: entry bytes over compression ratio, without page padding."""
+        """The figure of docs/caches.md#bytes-per-token: entry bytes over compression ratio, without page padding."""
         return sum(k.page_bytes * len(k.layers) / k.positions_per_page for k in self.kinds if not k.sliding)
+
+    def tokens_fitting(self, free_bytes: int) -> int:
+        """Raw positions whose growing kinds fit in free_bytes; windows and compressor states, a fixed 18-34 MiB
+        per sequence at Flash and Pro sizes, come on top for each sequence."""
+        return max(0, int(free_bytes // self.bytes_per_token))
 
     def class_pages(self, n_tokens: int, chunk: int = 1) -> list[int]:
         """Pages of each class that one sequence holds at most (see CacheKind.pages)."""
@@ -136,13 +140,13 @@ class KVPlan:
 
 
 def main_entry_bytes(cfg: ModelConfig, numerics: str, element_bytes: int = 2) -> int:
-    """One window row or compressed entry as the kernels store it (model.attention.kv_entry_bytes). element_bytes:
+    """One window row or compressed entry as the kernels store it (entries.kv_entry_bytes). element_bytes:
     the build's storage, bf16 (2) or the float32 test build (4), whose faithful entries stay float32 rows."""
     return kv_entry_bytes(_STORAGE[element_bytes], cfg.head_dim, cfg.rope_dim, numerics == "faithful")
 
 
 def indexer_entry_bytes(cfg: ModelConfig, numerics: str, element_bytes: int = 2) -> int:
-    """One indexer key as the kernels store it (model.compress.indexer_entry_bytes): packed e2m1 in faithful
+    """One indexer key as the kernels store it (entries.indexer_entry_bytes): packed e2m1 in faithful
     numerics, whatever the build."""
     return index_key_bytes(_STORAGE[element_bytes], cfg.index_head_dim, numerics == "faithful")
 

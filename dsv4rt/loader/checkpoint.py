@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ModelConfig
+from ..files import json_int, read_regular
 from .formats import dequant_fp4, dequant_fp8, fp4_scale_shape, fp8_scale_shape
 from .names import expected_shapes, scale_name, to_official
 from .safetensors import CheckpointError, SafetensorsFile
@@ -172,9 +173,10 @@ def _add(table: dict, root: Path, cfg: ModelConfig, f: SafetensorsFile, stored: 
 
 def _shards(root: Path) -> list[tuple[Path, list[str] | None]]:
     """Files to open, each with the tensors to take from it (None: all of them)."""
-    if (root / SINGLE).is_file():
+    # exists(), not is_file(): a FIFO or folder of these names is opened, and refused there in one line
+    if (root / SINGLE).exists():
         return [(root / SINGLE, None)]
-    if (root / INDEX).is_file():
+    if (root / INDEX).exists():
         return _index(root)
     found = sorted(root.glob("*.safetensors"))
     if not found:
@@ -184,9 +186,10 @@ def _shards(root: Path) -> list[tuple[Path, list[str] | None]]:
 
 def _index(root: Path) -> list[tuple[Path, list[str]]]:
     where = root / INDEX
+    text = read_regular(where, CheckpointError)
     try:
-        index = json.loads(where.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        index = json.loads(text.decode("utf-8"), parse_int=json_int)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError, JSONDecodeError, json_int's
         raise CheckpointError(f"{where}: cannot read the index ({str(e).splitlines()[0]})") from None
     wmap = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
@@ -205,6 +208,6 @@ def _shard_path(root: Path, shard: str, where: Path) -> Path:
     path = root / p
     if p.is_absolute() or ".." in p.parts or not path.resolve().is_relative_to(root.resolve()):
         raise CheckpointError(f"{where}: shard {shard!r} lies outside the checkpoint folder")
-    if not path.is_file():
+    if not path.exists():
         raise CheckpointError(f"{where}: shard {shard!r} does not exist")
     return path

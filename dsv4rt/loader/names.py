@@ -1,4 +1,4 @@
-"""Tensor names: Hugging Face layout <-> official layout (MODEL.md section 10), and the expected shapes."""
+"""Tensor names: Hugging Face layout <-> official layout (docs/formats.md#tensor-names), and the expected shapes."""
 from __future__ import annotations
 
 import re

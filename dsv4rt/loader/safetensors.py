@@ -1,14 +1,22 @@
-"""Safetensors reader: our own header parser, tensors as zero-copy views of a read-only mmap."""
+"""Safetensors reader: our own header parser, tensors as zero-copy views of a read-only mmap.
+
+As strict as the format (and the safetensors library): the tensors must tile the data section exactly, in
+offset order, with no gap between two tensors and nothing after the last. Unindexed bytes are what
+makes a file a polyglot or hides a truncated rewrite, and every writer we know (safetensors itself, the
+released checkpoints) packs them without gaps, so a file with a gap is refused rather than half-read."""
 from __future__ import annotations
 
 import json
 import math
 import mmap
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+
+from ..files import json_int, open_regular
 
 
 class CheckpointError(ValueError):
@@ -55,19 +63,27 @@ def parse_header(buf, where: str) -> tuple[dict[str, TensorInfo], int]:
     if n > size - 8:
         raise CheckpointError(f"{where}: header length {n} runs past the end of the {size}-byte file")
     try:
-        header = json.loads(bytes(buf[8:8 + n]).decode("utf-8"), object_pairs_hook=_unique_keys)
+        header = json.loads(bytes(buf[8:8 + n]).decode("utf-8"), object_pairs_hook=_unique_keys,
+                            parse_int=json_int)
     except CheckpointError as e:
         raise CheckpointError(f"{where}: {e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError, JSONDecodeError, json_int's
         raise CheckpointError(f"{where}: header is not valid JSON ({str(e).splitlines()[0]})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{where}: header is not a JSON object")
     data_size = size - 8 - n
     tensors = {name: _entry(name, e, data_size, where) for name, e in header.items() if name != "__metadata__"}
-    spans = sorted((t.begin, t.end, name) for name, t in tensors.items() if t.end > t.begin)
-    for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
-        if begin_b < end_a:
-            raise CheckpointError(f"{where}: tensors {a!r} and {b!r} overlap")
+    at, previous = 0, None
+    for begin, end, name in sorted((t.begin, t.end, name) for name, t in tensors.items()):
+        if begin < at:
+            raise CheckpointError(f"{where}: tensors {previous!r} and {name!r} overlap")
+        if begin > at:
+            raise CheckpointError(f"{where}: data bytes {at}..{begin} before tensor {name!r} belong to no tensor "
+                                  "(safetensors packs tensors without gaps)")
+        at, previous = end, name
+    if at != data_size:
+        raise CheckpointError(f"{where}: the last {data_size - at} bytes of the data section belong to no tensor "
+                              "(safetensors packs tensors without gaps)")
     return tensors, 8 + n
 
 
@@ -102,25 +118,40 @@ class SafetensorsFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self._mm = b""
+        self._fd = open_regular(self.path, CheckpointError)
         try:
-            with open(self.path, "rb") as f:
-                size = f.seek(0, 2)
-                # mmap refuses empty files; the parser reports them instead
-                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
-        except OSError as e:
-            raise CheckpointError(f"{self.path}: cannot open ({e.strerror})") from None
-        try:
+            self._stat = os.fstat(self._fd)
+            # mmap refuses empty files; the parser reports them instead
+            if self._stat.st_size:
+                self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
             self.tensors, self._data = parse_header(self._mm, str(self.path))
+        except OSError as e:
+            self.close()
+            raise CheckpointError(f"{self.path}: cannot map ({e.strerror})") from None
         except CheckpointError:
             self.close()
             raise
 
+    def check_unchanged(self) -> None:
+        """A file cut short under the mapping kills the process (SIGBUS) at the first read past its new end,
+        and one rewritten in place hands out other weights: both are refused before a tensor is handed out.
+        (A rename over the file is harmless: the mapping keeps the old one.)"""
+        now = os.fstat(self._fd)
+        if (now.st_size, now.st_mtime_ns) != (self._stat.st_size, self._stat.st_mtime_ns):
+            raise CheckpointError(f"{self.path}: changed while open ({self._stat.st_size} bytes when opened, now "
+                                  f"{now.st_size}); reopen the checkpoint")
+
     def array(self, name: str) -> np.ndarray:
+        self.check_unchanged()
         t = self.tensors[name]
         dt = DTYPES[t.dtype]
         return np.frombuffer(self._mm, dt, (t.end - t.begin) // dt.itemsize, self._data + t.begin).reshape(t.shape)
 
     def close(self):
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if isinstance(self._mm, mmap.mmap):
             try:
                 self._mm.close()

@@ -8,6 +8,7 @@ import numpy as np
 
 from ..cuda.device import Device, Launch
 from ..cuda.ops import storage_name
+from ..kv.entries import kv_entry_bytes, packed_kv
 from .paged import LaunchSequence, PagedCache
 
 MAX_HEAD_DIM = 512             # kMaxHeadDim: a warp keeps one head row in registers
@@ -20,34 +21,10 @@ MQA_HEADS = 64                 # kMqaHeads of attention_mqa.cu: the heads of one
 MQA_KEYS = 32                  # kMqaKeys: keys per shared-memory tile
 MQA_THREADS = 256              # kMqaWarps * 32
 
-KV_BLOCK = 64                  # kKvBlock of kv_fp8.cuh: nope dims per e8m0 scale
-
 _QKV = tuple(f"qkv_norm_rope_insert<{t}{f}>" for f in ("", ",true") for t in ("float", "__nv_bfloat16"))
 _ATTENTION = (*(f"{k}<{t}>" for k in ("sparse_attention", "attention_combine") for t in ("float", "__nv_bfloat16")),
               "sparse_attention<__nv_bfloat16,true>")
 _MQA = ("sparse_attention_mqa<__nv_bfloat16>", "sparse_attention_mqa<__nv_bfloat16,true>")
-
-
-def packed_kv(dtype, fp8_kv: bool) -> bool:
-    """Whether the main-cache entries are the packed 584-byte layout (faithful numerics, bf16 build)."""
-    return fp8_kv and np.dtype(dtype).itemsize == 2
-
-
-def kv_entry_bytes(dtype, head_dim: int, rope_dim: int, fp8_kv: bool = False) -> int:
-    """Bytes of one main-cache entry (window row or compressed entry) as the kernels store it; a cache's
-    entries may lie further apart.
-
-    fp8_kv (faithful numerics, MODEL.md section 9) stores the nope dims rounded onto e4m3 with a ue8m0
-    scale per 64 dims. The bf16 build packs them as reference.layouts.encode_kv does (584 B at head_dim
-    512: e4m3 codes, rope dims in bf16, scale bytes, padding to 8 B). The float32 build, the one checked
-    against the float32 faithful reference at 1e-4, keeps float32 rows whose nope dims hold the dequantised
-    e4m3 values and whose rope dims stay unrounded: exactly the values of reference.quant.kv_round, with the
-    same size and reads as the exact float32 build. (Packing there would round the rope dims to bf16, a
-    2e-3 error the reference does not make.)"""
-    if not packed_kv(dtype, fp8_kv):
-        return head_dim * np.dtype(dtype).itemsize
-    nope = head_dim - rope_dim
-    return -(-(nope + 2 * rope_dim + -(-nope // KV_BLOCK)) // 8) * 8
 
 
 def _check_shape(dtype, head_dim: int, rope_dim: int, caches, pointers, fp8_kv: bool = False):

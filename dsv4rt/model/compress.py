@@ -7,7 +7,8 @@ import numpy as np
 
 from ..cuda.device import Device, Launch
 from ..cuda.ops import storage_name
-from .attention import MAX_HEAD_DIM, kv_entry_bytes, packed_kv
+from ..kv.entries import indexer_entry_bytes, kv_entry_bytes, packed_kv
+from .attention import MAX_HEAD_DIM
 from .paged import NOTHING, LaunchSequence, PagedCache
 
 POOL_THREADS = 512        # the most threads of a compress block; wider entries loop over channels
@@ -20,7 +21,6 @@ MMA_STAGES = 4            # kStages
 MMA_BLOCKS_PER_SM = 2     # its __launch_bounds__ minimum: one wave of blocks streams all keys
 MMA_FP4_STAGES = 8        # kFp4Stages: packed key tiles in flight
 Q_THREADS = 256           # kQThreads of indexer_q_fp4: a warp per head
-FP4_BLOCK = 32            # kFp4Block: values per e8m0 scale of an indexer key
 CLUSTER = 8               # kCluster: top-k blocks per row
 SELECT_THREADS = 512
 CANDIDATES = 3072         # top-k candidates a block holds in shared memory (24 KB)
@@ -31,20 +31,6 @@ _POOL = ("compress_pool<float>", "compress_pool<__nv_bfloat16>", "compress_pool<
 _INDEXER = ("indexer_scores<float>", "indexer_scores<__nv_bfloat16>", "indexer_scores_mma<false>", "indexer_topk",
             "indexer_q_fp4<float>", "indexer_q_fp4<__nv_bfloat16>", "indexer_scores<float,true>",
             "indexer_scores<__nv_bfloat16,true>", "indexer_scores_mma<true>")
-
-
-def indexer_entry_bytes(dtype, dim: int, fp4_keys: bool = False) -> int:
-    """Bytes of one indexer-key entry as the kernels store it; a cache's entries may lie further apart.
-
-    fp4_keys (faithful numerics, MODEL.md section 9) stores the key after the Hadamard rotation as e2m1 codes
-    (two per byte, low nibble = even index) and one e8m0 scale byte per 32 values: the bytes of
-    reference.layouts.encode_indexer_key, 68 at dim 128, in both builds. Unlike the main cache, whose float32
-    build keeps float32 rows because packing would round the rope dims to bf16, nothing here is left unrounded:
-    the entry holds exactly reference.quant.indexer_round's values, and dequantising it is exact in float32 and
-    in bf16, so the float32 build scores in exact float32 on the reference's values from the same 68 bytes."""
-    if fp4_keys:
-        return dim // 2 + -(-dim // FP4_BLOCK)
-    return dim * np.dtype(dtype).itemsize
 
 
 def hadamard_size(dim: int) -> int:

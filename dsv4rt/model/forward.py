@@ -1,8 +1,8 @@
 """The DeepSeek V4 forward on the GPU for one request: the per-layer launch sequence over paged caches.
 
 Every kernel is a template over the storage type, so `GpuModel(dir, np.float32)` runs the same code
-as the bf16 build and is checked tightly against the numpy reference. Faithful numerics (MODEL.md
-section 9) read fp8/fp4 weights as stored, quantise the inputs of their GEMMs and keep the main cache
+as the bf16 build and is checked tightly against the numpy reference. Faithful numerics
+(docs/numerics.md) read fp8/fp4 weights as stored, quantise the inputs of their GEMMs and keep the main cache
 in fp8 and the indexer keys in fp4."""
 from __future__ import annotations
 

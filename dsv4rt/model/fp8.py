@@ -1,5 +1,6 @@
-"""Launchers for cuda_src/fp8.cu: the faithful-mode activation quantiser and the fp8 decode GEMM (MODEL.md
-section 9; twins: reference.quant.act_quant, and reference.ops.Linear with act_quant on the dequantised weight).
+"""Launchers for cuda_src/fp8.cu: the faithful-mode activation quantiser and the fp8 decode GEMM
+(docs/numerics.md#act-quant; twins: reference.quant.act_quant, and reference.ops.Linear with act_quant on the
+dequantised weight).
 
 Every fp8 array is raw bytes (uint8): e4m3 values [rows, k]; e8m0 scales 2^(byte − 127), one per 128 columns
 of a row for activations ([rows, ceil(k/128)]), one per 128 x 128 tile for weights (the checkpoint's

@@ -1,6 +1,6 @@
 """Launcher for cuda_src/gemm_fp8.cu: the faithful-mode fp8 linear layer of prefill batches on Hopper's tensor
-cores (wgmma, TMA; sm_90a only), the large-m counterpart of fp8.skinny_gemm with the same operands (MODEL.md
-section 9; twin: reference.ops.Linear with act_quant on the dequantised weight)."""
+cores (wgmma, TMA; sm_90a only), the large-m counterpart of fp8.skinny_gemm with the same operands
+(docs/numerics.md#act-quant; twin: reference.ops.Linear with act_quant on the dequantised weight)."""
 from __future__ import annotations
 
 import ctypes

@@ -1,4 +1,4 @@
-"""Launchers for cuda_src/hc.cu: embedding into streams and the mHC pre/post/head (MODEL.md section 7).
+"""Launchers for cuda_src/hc.cu: embedding into streams and the mHC pre/post/head (docs/model.md#hyper-connections).
 
 Streams X are [T, hc, D] in the storage dtype; fn, base, scale, post and comb are float32.
 An empty batch (tokens == 0) gives a launch that does nothing.

@@ -1,4 +1,4 @@
-"""The faithful-mode linear layer of a weight stored in fp8 (MODEL.md section 9; twin: reference.ops.Linear with
+"""The faithful-mode linear layer of a weight stored in fp8 (docs/numerics.md#act-quant; twin: reference.ops.Linear with
 act_quant on the dequantised weight): act_quant of the input, then the fp8 GEMM on the checkpoint's e4m3 weight
 and e8m0 block scales. Decode batches, shapes off the 128 grid and float32 outputs take fp8.skinny_gemm; bf16
 prefill batches on sm_90a the wgmma kernel of gemm_fp8.

@@ -1,7 +1,7 @@
 """Mixture of experts on the GPU (twin: dsv4rt/reference/moe.py). One bound sequence, no host
 synchronisation, so a CUDA graph can hold it: gate GEMM (cuBLAS, fp32 logits) → routing → counting
-sort of the (token, slot) pairs by expert → grouped GEMM w1/w3 + clamped SwiGLU → grouped GEMM w2 →
-shared expert → weighted combine. Decode batches (a few rows per expert) take the skinny grouped GEMM,
+sort of the (token, slot) pairs by expert → grouped GEMM w1/w3 + clamped SwiGLU times the routing weight →
+grouped GEMM w2 → shared expert → the sum of each token's rows. Decode batches (a few rows per expert) take the skinny grouped GEMM,
 which streams each expert's weights once per 8 rows and carries the shared expert as extra row tiles
 (H200, bf16 Flash, 1 token: 94 us for the 7 experts' 352 MB, 3.75 TB/s); longer batches the 64-row
 tiled one and cuBLAS for the shared expert."""
@@ -130,10 +130,16 @@ def route_and_sort(device: Device, blas: Blas, dtype, d: MoeDims, at: dict[str, 
     ]
 
 
-def swiglu(device: Device, dtype, h: int, g: int, u: int, n: int, limit: float) -> Launch:
-    """h [n] (dtype) = the clamped SwiGLU of fp32 g, u [n]."""
-    return kernel(device, f"swiglu<{storage_name(dtype)}>").bind(min(-(-n // 256), 4096), 256, [
-        ctypes.c_void_p(h), ctypes.c_void_p(g), ctypes.c_void_p(u), ctypes.c_longlong(n), ctypes.c_float(limit)])
+def swiglu(device: Device, dtype, h: int, g: int, u: int, rows: int, cols: int, limit: float, *,
+           weight: int | None = None, perm: int | None = None, unweighted: int = 0) -> Launch:
+    """h [rows, cols] (dtype) = the clamped SwiGLU of fp32 g, u [rows, cols]; with `weight`, rows from `unweighted`
+    on are routed pairs in expert order, scaled by their routing weight (weight[perm[row - unweighted]])."""
+    if (weight is None) != (perm is None):
+        raise ValueError("routing weights come with the sort's perm")
+    P = ctypes.c_void_p
+    return kernel(device, f"swiglu<{storage_name(dtype)}>").bind(min(-(-rows * cols // 256), 4096), 256, [
+        P(h), P(g), P(u), ctypes.c_longlong(rows * cols), ctypes.c_float(limit), P(weight or 0), P(perm or 0),
+        ctypes.c_int(cols), ctypes.c_int(unweighted)])
 
 
 
@@ -143,16 +149,15 @@ def shared_expert(device: Device, blas: Blas, dtype, d: MoeDims, at: dict[str, i
     return [
         linear(blas, dtype, x, shared.w1, at["shared_g"], d.tokens, d.shared_inter, d.dim, np.float32),
         linear(blas, dtype, x, shared.w3, at["shared_u"], d.tokens, d.shared_inter, d.dim, np.float32),
-        swiglu(device, dtype, at["shared_h"], at["shared_g"], at["shared_u"], d.tokens * d.shared_inter, limit),
+        swiglu(device, dtype, at["shared_h"], at["shared_g"], at["shared_u"], d.tokens, d.shared_inter, limit),
         linear(blas, dtype, at["shared_h"], shared.w2, at["shared_out"], d.tokens, d.dim, d.shared_inter, np.float32),
     ]
 
 def combine(device: Device, dtype, d: MoeDims, at: dict[str, int], y: int, shared: bool) -> Launch:
-    """y = Σ_slot weight · expert_out (+ shared_out) on the scratch arrays `at`."""
+    """y = Σ_slot expert_out (+ shared_out) on the scratch arrays `at`: the expert rows carry their weights."""
     P, I = ctypes.c_void_p, ctypes.c_int
     return kernel(device, f"moe_combine<{storage_name(dtype)}>").bind(d.tokens, 256, [
-        P(y), P(at["expert_out"]), P(at["shared_out"] if shared else 0), P(at["pos"]), P(at["weight"]),
-        I(d.active), I(d.dim)])
+        P(y), P(at["expert_out"]), P(at["shared_out"] if shared else 0), P(at["pos"]), I(d.active), I(d.dim)])
 
 
 @dataclass(frozen=True)
@@ -165,7 +170,7 @@ class ExpertWeights:
 
 
 class MoE:
-    """y [tokens, dim] = Σ_slot w·expert(x) + shared(x) for x [tokens, dim] (storage dtype).
+    """y [tokens, dim] = Σ_slot w2(w·h(x)) + shared(x) for x [tokens, dim] (storage dtype).
     Routed layers give `bias` (fp32 [experts]); hash layers give `tid2eid` (int32 [vocab, active]) and
     `ids` (int32 [tokens]). `gate` is [experts, dim] in the storage dtype. `workspace` holds
     workspace_bytes(dims, dtype) bytes; layers run one after another can share one."""
@@ -191,25 +196,25 @@ class MoE:
             self.grouped = [
                 kernel(device, f"moe_skinny<{t},true>").bind(
                     (-(-d.inter // (SKINNY_WARPS * SKINNY_W // 2)), tiles), 32 * SKINNY_WARPS, [
-                    P(at["hidden"]), P(x), P(at["perm"]), I(d.active), P(routed.w1), P(routed.w3), P(at["offsets"]),
-                    P(at["tile_offsets"]), I(d.experts), I(d.max_tiles), P(at["shared_h"]), P(x), P(s1), P(s3),
+                    P(at["hidden"]), P(x), P(at["perm"]), I(d.active), P(at["weight"]), P(routed.w1), P(routed.w3),
+                    P(at["offsets"]), P(at["tile_offsets"]), I(d.experts), I(d.max_tiles), P(at["shared_h"]), P(x), P(s1), P(s3),
                     I(s_rows), I(d.inter), I(d.dim), V(limit)]),
                 kernel(device, f"moe_skinny<{t},false>").bind(
                     (-(-d.dim // (SKINNY_WARPS * SKINNY_W)), tiles), 32 * SKINNY_WARPS, [
-                    P(at["expert_out"]), P(at["hidden"]), P(0), I(d.active), P(routed.w2), P(0), P(at["offsets"]),
-                    P(at["tile_offsets"]), I(d.experts), I(d.max_tiles), P(at["shared_out"]), P(at["shared_h"]),
+                    P(at["expert_out"]), P(at["hidden"]), P(0), I(d.active), P(0), P(routed.w2), P(0),
+                    P(at["offsets"]), P(at["tile_offsets"]), I(d.experts), I(d.max_tiles), P(at["shared_out"]), P(at["shared_h"]),
                     P(s2), P(0), I(s_rows), I(d.dim), I(d.inter), V(limit)]),
             ]
         else:
             self.grouped = [
                 kernel(device, f"moe_gemm<{t},{bm},true>").bind((-(-d.inter // TILE_N), d.max_tiles),
                                                                 GEMM_THREADS, [
-                    P(at["hidden"]), P(x), P(at["perm"]), I(d.active), P(routed.w1), P(routed.w3), P(at["offsets"]),
-                    P(at["tile_offsets"]), I(d.experts), I(d.inter), I(d.dim), V(limit)]),
+                    P(at["hidden"]), P(x), P(at["perm"]), I(d.active), P(at["weight"]), P(routed.w1), P(routed.w3),
+                    P(at["offsets"]), P(at["tile_offsets"]), I(d.experts), I(d.inter), I(d.dim), V(limit)]),
                 kernel(device, f"moe_gemm<{t},{bm},false>").bind((-(-d.dim // TILE_N), d.max_tiles),
                                                                  GEMM_THREADS, [
-                    P(at["expert_out"]), P(at["hidden"]), P(0), I(d.active), P(routed.w2), P(0), P(at["offsets"]),
-                    P(at["tile_offsets"]), I(d.experts), I(d.dim), I(d.inter), V(limit)]),
+                    P(at["expert_out"]), P(at["hidden"]), P(0), I(d.active), P(0), P(routed.w2), P(0),
+                    P(at["offsets"]), P(at["tile_offsets"]), I(d.experts), I(d.dim), I(d.inter), V(limit)]),
             ]
         launches += self.grouped
         if shared is not None and not fold:

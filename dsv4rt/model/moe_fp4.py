@@ -1,10 +1,10 @@
-"""The faithful decode MoE on the experts as released (MODEL.md sections 8 to 10; twin: reference.moe.MoE with
+"""The faithful decode MoE on the experts as released (docs/model.md#moe, docs/formats.md#storage-formats; twin: reference.moe.MoE with
 act_quant in front of every expert GEMM): routed experts in packed e2m1 with e8m0 scales per 1 x 32
 (cuda_src/moe_fp4.cu), the shared expert in e4m3 with e8m0 scales per 128 x 128 (fp8.skinny_gemm). One bound
 sequence without host synchronisation, as moe.MoE, whose routing, sort, SwiGLU and combine kernels it runs:
 gate GEMM → routing → counting sort into 8-row tiles → act_quant(x) → routed w1/w3 (fp4) and shared w1/w3 (fp8)
-into fp32 g, u → clamped SwiGLU over all rows → act_quant(h) → routed w2 (fp4), shared w2 (fp8) → weighted
-combine. Each 8-row tile reads its expert's weights once: meant for decode. Not yet part of GpuModel."""
+into fp32 g, u → clamped SwiGLU over all rows, routed rows times their routing weight → act_quant(h) → routed w2
+(fp4), shared w2 (fp8) → the sum of each token's rows. Each 8-row tile reads its expert's weights once: meant for decode. Not yet part of GpuModel."""
 from __future__ import annotations
 
 import ctypes
@@ -104,7 +104,7 @@ def workspace_bytes(dims: MoeDims, dtype) -> int:
 
 
 class Fp4MoE:
-    """moe.MoE's y [tokens, dim] = Σ_slot w·expert(x) + shared(x) on the released expert formats, with the
+    """moe.MoE's y [tokens, dim] = Σ_slot w2(w·h(x)) + shared(x) on the released expert formats, with the
     faithful activation quantisation. x, y, gate (bf16 or float32 [experts, dim]), bias / tid2eid / ids as in
     moe.MoE; `workspace` holds workspace_bytes(dims, dtype) bytes. The shared expert, when there is one, has the
     routed experts' inter (dims.shared_inter == dims.inter)."""
@@ -134,7 +134,8 @@ class Fp4MoE:
             launches += [fp8.skinny_gemm(device, np.float32, at[out], at["xq"], at["xs"], w, s, T, F, D)
                          for out, w, s in (("g", shared.w1, shared.w1_scale), ("u", shared.w3, shared.w3_scale))]
         launches += [
-            swiglu(device, np.float32, at["hidden"], at["g"], at["u"], rows * F, limit),
+            swiglu(device, np.float32, at["hidden"], at["g"], at["u"], rows, F, limit, weight=at["weight"],
+                   perm=at["perm"], unweighted=s_rows),
             fp8.act_quant(device, np.float32, at["hq"], at["hs"], at["hidden"], rows, F),
             expert_gemm(device, dtype, at["expert_out"], at["hq"] + s_rows * F,
                         at["hs"] + s_rows * fp8.scale_columns(F), routed.w2, routed.w2_scale, at["offsets"],

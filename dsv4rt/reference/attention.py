@@ -1,4 +1,4 @@
-"""Sparse attention of MODEL.md sections 4 and 6: window + compressed entries + sink, and the indexer."""
+"""Sparse attention of docs/model.md#attention and #indexer: window + compressed entries + sink, and the indexer."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -68,11 +68,15 @@ class Attention:
     def new_state(self) -> AttentionState:
         hd = self.kv_norm.shape[0]
         return AttentionState(
-            window=np.zeros((0, hd), np.float32),
+            window=np.zeros((0, hd), self.kv_norm.dtype),
             main=self.compressor.new_state() if self.compressor else None,
             index=self.indexer.compressor.new_state() if self.indexer else None)
 
     def __call__(self, st: AttentionState, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        return self.wo_b(self.grouped_output(st, x, pos))
+
+    def grouped_output(self, st: AttentionState, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Everything before wo_b: the groups' wo_a outputs [T, G·o_lora] (a rank's heads and groups when sharded)."""
         T, hd = len(x), self.kv_norm.shape[0]
         qr = rmsnorm(self.wq_a(x), self.q_norm, self.eps)
         q = self.wq_b(qr).reshape(T, self.n_heads, hd)
@@ -90,9 +94,9 @@ class Attention:
             if self.indexer is not None:
                 self.indexer.compressor.update(st.index, x, pos)
                 chosen = self.indexer.select(st.index, x, qr, pos, self.rope, self.ratio)
-        entries = st.main.entries if st.main is not None else np.zeros((0, hd), np.float32)
+        entries = st.main.entries if st.main is not None else np.zeros((0, hd), kv.dtype)
 
-        out = np.empty((T, self.n_heads, hd), np.float32)
+        out = np.empty((T, self.n_heads, hd), q.dtype)
         for a in range(0, T, QUERY_BLOCK):
             b = min(T, a + QUERY_BLOCK)
             lo = max(0, past + a - (self.window - 1))  # first window key any query of the block sees
@@ -106,8 +110,7 @@ class Attention:
 
         o = self.rope(out, pos, inverse=True).reshape(T, self.n_groups, -1)
         wo_a = self.wo_a.reshape(self.n_groups, -1, o.shape[-1])
-        t = np.matmul(o.transpose(1, 0, 2), wo_a.transpose(0, 2, 1)).transpose(1, 0, 2).reshape(T, -1)
-        return self.wo_b(t)
+        return np.matmul(o.transpose(1, 0, 2), wo_a.transpose(0, 2, 1)).transpose(1, 0, 2).reshape(T, -1)
 
     def _attend(self, q: np.ndarray, keys: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """One softmax over the masked keys plus the per-head sink; K = V."""

@@ -1,4 +1,4 @@
-"""The KV compressor of MODEL.md section 5, with its streaming state."""
+"""The KV compressor of docs/model.md#compressor, with its streaming state."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -48,7 +48,8 @@ class Compressor:
 
     def new_state(self) -> CompressorState:
         s = CompressorState(self.width)
-        s.buf_a = s.buf_z = np.zeros((0, self.wkv.shape[0]), np.float32)
+        s.buf_a = s.buf_z = np.zeros((0, self.wkv.shape[0]), self.wkv.dtype)
+        s.entries = np.zeros((0, self.width), self.wkv.dtype)
         return s
 
     def update(self, st: CompressorState, x: np.ndarray, pos: np.ndarray) -> int:
@@ -63,7 +64,7 @@ class Compressor:
         a, z = a[:n * r].reshape(n, r, -1), z[:n * r].reshape(n, r, -1)
         if self.overlap:
             if st.prev_a is None:
-                pa, pz = np.zeros((1, r, d), np.float32), np.full((1, r, d), -np.inf, np.float32)
+                pa, pz = np.zeros((1, r, d), a.dtype), np.full((1, r, d), -np.inf, z.dtype)
             else:
                 pa, pz = st.prev_a[None], st.prev_z[None]
             st.prev_a, st.prev_z = a[-1, :, :d].copy(), z[-1, :, :d].copy()
@@ -74,5 +75,5 @@ class Compressor:
         e = self.rope(e, (st.count + np.arange(n)) * r)
         if self.finish is not None:
             e = self.finish(e)
-        st.entries = np.concatenate([st.entries, e.astype(np.float32)])
+        st.entries = np.concatenate([st.entries, e.astype(st.entries.dtype)])
         return n

@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections of MODEL.md section 7."""
+"""Manifold-constrained hyper-connections of docs/model.md#hyper-connections."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,8 +19,8 @@ class HyperConnection:
 
     def pre(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """X [T, hc, D] -> (block input u [T, D], post [T, hc], comb [T, hc, hc])."""
-        T, hc, _ = X.shape
-        v = rmsnorm(X.reshape(T, -1), None, self.eps) @ self.fn.T
+        T, hc, D = X.shape
+        v = rmsnorm(X.reshape(T, hc * D), None, self.eps) @ self.fn.T   # explicit widths: T may be 0 on a rank
         pre = sigmoid(self.scale[0] * v[:, :hc] + self.base[:hc]) + np.float32(self.hc_eps)
         post = 2 * sigmoid(self.scale[1] * v[:, hc:2 * hc] + self.base[hc:2 * hc])
         c = self.scale[2] * v[:, 2 * hc:].reshape(T, hc, hc) + self.base[2 * hc:].reshape(hc, hc)
@@ -45,6 +45,6 @@ class HyperHead:
     eps: float
 
     def __call__(self, X: np.ndarray) -> np.ndarray:
-        v = rmsnorm(X.reshape(len(X), -1), None, self.eps) @ self.fn.T
+        v = rmsnorm(X.reshape(len(X), self.fn.shape[1]), None, self.eps) @ self.fn.T
         pre = sigmoid(self.scale[0] * v + self.base) + np.float32(self.hc_eps)
         return np.einsum("tj,tjd->td", pre, X)

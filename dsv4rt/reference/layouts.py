@@ -1,4 +1,4 @@
-"""Byte layouts of the faithful-mode caches (MODEL.md section 9), the twins of the GPU cache writers.
+"""Byte layouts of the faithful-mode caches (docs/caches.md#entry-layouts), the twins of the GPU cache writers.
 
 Main KV entry, 584 B for head_dim 512: the (hd - rd) nope values as e4m3, the rd rope values as
 bf16, one e8m0 scale per 64 nope values, padding to a multiple of 8. Indexer key, 68 B for 128

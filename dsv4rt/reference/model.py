@@ -17,7 +17,7 @@ from . import quant
 
 @dataclass(frozen=True)
 class Numerics:
-    """Which of the official reference's roundings are on (MODEL.md section 9)."""
+    """Which of the official reference's roundings are on (docs/numerics.md)."""
     act_quant: bool = False     # e4m3 inputs of GEMMs whose weight is stored in fp8/fp4
     kv_fp8: bool = False        # cached kv nope dims on e4m3
     indexer_fp4: bool = False   # Hadamard + e2m1 on indexer queries and keys

@@ -1,4 +1,4 @@
-"""Mixture of experts of MODEL.md section 8: sqrtsoftplus gate, bias or hash routing, clamped SwiGLU."""
+"""Mixture of experts of docs/model.md#moe: sqrtsoftplus gate, bias or hash routing, clamped SwiGLU."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,10 +15,13 @@ class Expert:
     w3: Linear
     limit: float
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
+    def __call__(self, x: np.ndarray, weight: np.ndarray | None = None) -> np.ndarray:
+        """weight [rows]: the routing weights, applied to the SwiGLU output before w2 (and before its input
+        quantisation), the official order."""
         gate = np.minimum(self.w1(x), self.limit)
         up = np.clip(self.w3(x), -self.limit, self.limit)
-        return self.w2(silu(gate) * up)
+        h = silu(gate) * up
+        return self.w2(h if weight is None else h * weight[:, None])
 
 
 @dataclass
@@ -42,8 +45,12 @@ class MoE:
 
     def __call__(self, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
         idx, w = self.route(x, ids)
-        y = self.shared(x) if self.shared is not None else np.zeros_like(x)
-        for e in np.unique(idx):
+        return self.add_routed(self.shared(x) if self.shared is not None else np.zeros_like(x), x, idx, w)
+
+    def add_routed(self, y: np.ndarray, x: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """y += the weighted outputs of the experts each row is routed to; idx indexes self.experts, and -1
+        marks a slot whose expert another rank holds (docs/parallel.md)."""
+        for e in np.unique(idx[idx >= 0]):
             tok, slot = np.nonzero(idx == e)
-            np.add.at(y, tok, self.experts[e](x[tok]) * w[tok, slot, None])
+            np.add.at(y, tok, self.experts[e](x[tok], w[tok, slot]))
         return y

@@ -1,4 +1,4 @@
-"""numpy primitives of MODEL.md section 3 (all float32)."""
+"""numpy primitives of docs/model.md#primitives (all float32)."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""Faithful-mode roundings (MODEL.md section 9): e4m3 and e2m1 grids with power-of-two (ue8m0) scales."""
+"""Faithful-mode roundings (docs/numerics.md): e4m3 and e2m1 grids with power-of-two (ue8m0) scales."""
 from __future__ import annotations
 
 import numpy as np
@@ -46,7 +46,7 @@ def _fake_quant(x: np.ndarray, block: int, floor: float, top: float, rounder) ->
         amax = np.maximum(np.abs(b).max(axis=-1, keepdims=True), floor)
         s = pow2_scale(amax, top)
         return rounder(b / s) * s
-    return _blockwise(x.astype(np.float32), block, one)
+    return _blockwise(x.astype(np.promote_types(x.dtype, np.float32)), block, one)  # float64 stays float64
 
 
 def act_quant(x: np.ndarray, block: int = 128) -> np.ndarray:

@@ -1,6 +1,7 @@
 """Token sampling on the host: greedy, temperature, top-k, top-p."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,16 +15,31 @@ class SamplingParams:
     max_new_tokens: int = 512
     seed: int | None = None
 
-    def check(self) -> "SamplingParams":
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    def check(self, name=lambda field: field) -> "SamplingParams":
+        """Raises ValueError naming the first bad field, spelled by `name` (the CLI passes its option names)."""
+        def bad(field, rule):
+            value = getattr(self, field)
+            shown = repr(value) if isinstance(value, str) else value  # numpy scalars print as plain numbers
+            return ValueError(f"{name(field)} must be {rule}, got {shown}")
+        if not _number(self.temperature) or not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise bad("temperature", "a finite number >= 0")
+        if not _number(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "in (0, 1]")
+        if not _integer(self.top_k) or self.top_k < 0:
+            raise bad("top_k", "an integer >= 0")
+        if not _integer(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise bad("max_new_tokens", "an integer >= 1")
+        if self.seed is not None and (not _integer(self.seed) or not 0 <= self.seed < 2 ** 64):
+            raise bad("seed", "an integer from 0 to 2**64 - 1")
         return self
+
+
+def _integer(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
 
 
 def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> int:

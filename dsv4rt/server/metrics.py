@@ -1,0 +1,75 @@
+"""Prometheus text for /metrics: requests by status, tokens, time to first token and inter-token
+histograms, running and waiting requests, KV-cache use (read from the engine without its lock: a
+scrape may see a step half done, never a wrong total for long)."""
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets, self.counts, self.sum, self.count = buckets, [0] * len(buckets), 0.0, 0
+
+    def observe(self, value: float, n: int = 1) -> None:
+        i = bisect.bisect_left(self.buckets, value)
+        if i < len(self.counts):
+            self.counts[i] += n
+        self.sum += value * n
+        self.count += n
+
+    def lines(self, name: str) -> list[str]:
+        out, total = [], 0
+        for bound, n in zip(self.buckets, self.counts):
+            total += n
+            out.append(f'{name}_bucket{{le="{bound}"}} {total}')
+        out += [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
+        return out
+
+
+class Metrics:
+    def __init__(self):
+        self.requests: Counter[tuple[str, int]] = Counter()     # (endpoint, HTTP status)
+        self.finished: Counter[str] = Counter()                 # by finish reason
+        self.prompt_tokens = self.generation_tokens = 0
+        self.ttft, self.itl = Histogram(TTFT_BUCKETS), Histogram(ITL_BUCKETS)
+
+    def request(self, endpoint: str, status: int) -> None:
+        self.requests[endpoint, status] += 1
+
+    def tokens(self, seconds: float, n: int, first: bool) -> None:
+        """n tokens arrived `seconds` after the request (first) or its previous tokens."""
+        self.generation_tokens += n
+        if first:
+            self.ttft.observe(seconds)
+            n -= 1
+        if n > 0:
+            self.itl.observe(seconds / n, n)
+
+    def render(self, engine, waiting: int) -> str:
+        blocks = engine.scheduler.blocks
+        a = blocks.allocator
+        pages = [a.stats(c).used_pages for c in range(len(a.page_bytes))]
+        used = sum(n * b for n, b in zip(pages, a.page_bytes))
+        lines = ["# TYPE dsv4rt_requests_total counter"]
+        lines += [f'dsv4rt_requests_total{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())]
+        lines.append("# TYPE dsv4rt_requests_finished_total counter")
+        lines += [f'dsv4rt_requests_finished_total{{reason="{r}"}} {n}' for r, n in sorted(self.finished.items())]
+        lines += ["# TYPE dsv4rt_prompt_tokens_total counter", f"dsv4rt_prompt_tokens_total {self.prompt_tokens}",
+                  "# TYPE dsv4rt_generation_tokens_total counter",
+                  f"dsv4rt_generation_tokens_total {self.generation_tokens}",
+                  "# TYPE dsv4rt_time_to_first_token_seconds histogram",
+                  *self.ttft.lines("dsv4rt_time_to_first_token_seconds"),
+                  "# TYPE dsv4rt_inter_token_latency_seconds histogram",
+                  *self.itl.lines("dsv4rt_inter_token_latency_seconds"),
+                  "# TYPE dsv4rt_requests_running gauge", f"dsv4rt_requests_running {len(engine.scheduler.running)}",
+                  "# TYPE dsv4rt_requests_waiting gauge", f"dsv4rt_requests_waiting {waiting}",
+                  "# TYPE dsv4rt_kv_cache_used_pages gauge", f"dsv4rt_kv_cache_used_pages {sum(pages)}",
+                  "# TYPE dsv4rt_kv_cache_used_bytes gauge", f"dsv4rt_kv_cache_used_bytes {used}",
+                  "# TYPE dsv4rt_kv_cache_total_bytes gauge", f"dsv4rt_kv_cache_total_bytes {a.total_bytes}",
+                  "# TYPE dsv4rt_kv_cache_usage_ratio gauge",
+                  f"dsv4rt_kv_cache_usage_ratio {1 - a.free_slabs / a.n_slabs if a.n_slabs else 0.0}"]
+        return "\n".join(lines) + "\n"
