@@ -3,7 +3,8 @@ time, achieved GB/s and TFLOP/s, and the fraction of the measured ceilings (devi
 cuBLAS bf16 matrix rate).
 
 usage: python bench/kernels.py [--batches 1,8,64] [--contexts 4096,65536] [--reps 20] [--only moe,hc_pre]
-(--only: the kernels whose names start with one of these prefixes.)
+(--only: the kernels whose names start with one of these prefixes.) The MoE rows also run at a prefill step of
+PREFILL_TOKENS tokens, where the grouped GEMMs take the tensor cores (moe_mma.cu).
 Bytes count each input read once and each output written once (METHOD.md). Weights and caches hold
 random values tiled from one random block; expert weights a constant (12.9 GB of them).
 Prints a table and writes bench/results/kernels.json.
@@ -22,7 +23,7 @@ from dsv4rt.cuda.driver import check, drv
 from dsv4rt.cuda.runtime import Runtime
 from dsv4rt.model import attention as attn_k, compress as comp_k, fp8 as fp8_k, gemm_fp8, hc as hc_k
 from dsv4rt.model.gemm import Blas, grouped_linear, linear
-from dsv4rt.model.moe import ExpertWeights, MoE, MoeDims, pointer_table, workspace_bytes
+from dsv4rt.model.moe import ExpertWeights, MoE, MoeDims, mma_fits, pointer_table, workspace_bytes
 from dsv4rt.model.paged import PagedCache
 from dsv4rt.model.sample import sample
 
@@ -172,6 +173,8 @@ def per_batch(b: Bench, blas: Blas, B: int):
 # random bytes, whose values do not change the time. TFLOP/s are printed against H200's dense fp8 peak as well as
 # the table's fraction of the measured bf16 rate.
 FP8_DENSE_TFLOPS = 1580.0
+BF16_DENSE_TFLOPS = 790.0
+PREFILL_TOKENS = 8192
 PREFILL_ROWS = (128, 1024, 4096)
 
 
@@ -262,9 +265,16 @@ def moe(b: Bench, blas: Blas, B: int):
     weights = (touched + 1) * 3 * per * T
     b.record(f"moe 256x2048 top-6 ({touched} experts)", B, 0, run, weights + gate_h.nbytes + 2 * B * D * T,
              2 * B * (K_ACT + 1) * 3 * per)
-    # The grouped expert GEMMs alone (the routing of the full run above stays in the workspace).
-    b.record(f"moe grouped gemms ({'skinny' if dims.skinny else 'tiled'})", B, 0,
-             lambda st: [launch(st) for launch in run.grouped], weights, 2 * B * (K_ACT + 1) * 3 * per)
+    # The grouped expert GEMMs alone (the routing of the full run above stays in the workspace); the skinny
+    # kernel carries the shared expert, the others leave it to cuBLAS.
+    kind = "skinny" if dims.skinny else "mma" if mma_fits(BF16, INTER, D) else "tiled"
+    name = f"moe grouped gemms ({kind})"
+    before = len(b.rows)
+    b.record(name, B, 0, lambda st: [launch(st) for launch in run.grouped], weights,
+             2 * B * (K_ACT + dims.skinny) * 3 * per)
+    if not dims.skinny and len(b.rows) > before:
+        print(f"{name:34s} B={B:<5d} {b.rows[-1]['tflops']:7.1f} TFLOP/s = "
+              f"{b.rows[-1]['tflops'] / BF16_DENSE_TFLOPS:.3f} of dense bf16 ({BF16_DENSE_TFLOPS:.0f})")
     experts.free()
 
 
@@ -331,6 +341,8 @@ def main():
         b, blas = Bench(rt, a.reps, [p for p in a.only.split(",") if p]), Blas(rt.arena, rt.device)
         copy, mm = a.copy_gbps, matrix_rate(b, blas)
         fp8_prefill(b)
+        if b.wants("moe"):
+            moe(b, blas, PREFILL_TOKENS)
         for B in batches:
             per_batch(b, blas, B)
             for C in contexts if b.wants("attention") or b.wants("indexer") else []:

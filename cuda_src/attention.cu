@@ -91,7 +91,7 @@ sparse_attention(T* out, float* part_o, float2* part_ml, const T* q, const int* 
             load_tile(k_begin + (it + 1) * TILE, (it + 1) & 1);
         else
             cp_async_commit();
-        cp_async_wait_all_but_one();
+        cp_async_wait<1>();
         __syncthreads();
         const T* tile = tiles + (it & 1) * TILE * hd;
         const bool* here = present[it & 1];

@@ -1,26 +1,10 @@
 // The candidate keys of a sparse-attention query row in the paged caches, and the cp.async copies that bring
-// them to shared memory (attention.cu, attention_mqa.cu).
+// them to shared memory (attention.cu, attention_mqa.cu) through common.cuh's cp.async helpers.
 #pragma once
 #include "attention.cuh"
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }  // NVRTC lacks INFINITY
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-// 16 bytes of gmem, or 16 zero bytes and no read when !valid.
-__device__ __forceinline__ void cp_async16_or_zero(void* smem, const void* gmem, bool valid) {
-    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
-    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all_but_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
 // The candidate keys of one query row at position m of request r, in the order window, compressed:
 // window entries lo .. m, then compressed entries 0 .. visible-1 (selected == nullptr) or the row's

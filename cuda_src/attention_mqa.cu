@@ -13,17 +13,6 @@
 constexpr int kMqaWarps = 8, kMqaHeads = 64, kMqaKeys = 32;
 constexpr int kMqaSlices = kMaxHeadDim / 32;  // 16-dim slices per warp at most
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
 // Two e4m3 codes (low byte first) times the power of two s, as a bf16 pair: exact.
 __device__ __forceinline__ unsigned e4m3x2_bf16x2(unsigned codes, float s) {
     const float2 v = e4m3x2_value(static_cast<unsigned short>(codes));
@@ -141,7 +130,7 @@ sparse_attention_mqa(T* out, float* part_o, float2* part_ml, const T* q, const i
 
     load_tile(0);  // with the q rows
     for (int it = 0; it < n_tiles; ++it) {
-        cp_async_wait_all();
+        cp_async_wait<0>();
         __syncthreads();  // tile it landed for every thread; tile it - 1 is consumed, its buffer free
         if (it + 1 < n_tiles) load_tile(it + 1);
         const int buf = it & 1;

@@ -17,7 +17,6 @@ constexpr int kHcThreads = 256;
 constexpr int kHcTok = 4;
 constexpr int kHcMaxTok = kHcTok * (kHcThreads / 32);
 
-__device__ __forceinline__ float sigmoid(float x) { return 0.5f * (1.f + tanhf(0.5f * x)); }
 
 template <int N>
 __device__ __forceinline__ void load_f32(const float* p, float (&w)[N]) {

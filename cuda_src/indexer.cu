@@ -188,13 +188,8 @@ constexpr int kKeyStride = kMmaDim + 8;  // bf16 per key row in shared memory: 2
 constexpr int kFp4Stages = 8;        // packed key tiles in flight per block (a quarter of the bytes of a bf16 tile)
 constexpr int kFp4Words = kMmaDim / 8 + kMmaDim / kFp4Block / 4;  // a packed entry: 16 words of codes, 1 of scales
 
-__device__ __forceinline__ void cp_async16_or_zero(void* smem, const void* gmem, bool valid) {
-    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
-}
-
 __device__ __forceinline__ void cp_async4_or_zero(void* smem, const void* gmem, bool valid) {
-    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    const unsigned s = smem_u32(smem);
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 4 : 0));
 }
 
@@ -281,7 +276,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) indexer_scores_mma(
                     cp_async16_or_zero(dst + (copy_chunk + 4 * c) * 8, src + (copy_chunk + 4 * c) * 16, valid);
             }
         }
-        asm volatile("cp.async.commit_group;\n" ::);
+        cp_async_commit();
     };
     for (int i = 0; i < S - 1; ++i) issue(i);
 
@@ -321,10 +316,9 @@ __global__ void __launch_bounds__(kMmaThreads, 2) indexer_scores_mma(
         if (threadIdx.x < kKeys && j < visible) out[j] = partial[i & 1][0][threadIdx.x] + partial[i & 1][1][threadIdx.x];
     };
     // ldmatrix.x4 lane address: row lane % 16 of the strip, column half lane / 16 of the k-step.
-    const unsigned a_base = static_cast<unsigned>(__cvta_generic_to_shared(
-        stage + (strip * 16 + (lane & 15)) * kKeyStride + 8 * (lane >> 4)));
+    const unsigned a_base = smem_u32(stage + (strip * 16 + (lane & 15)) * kKeyStride + 8 * (lane >> 4));
     for (int i = 0; i < mine; ++i) {
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(S - 2));
+        cp_async_wait<S - 2>();
         __syncthreads();  // tile i landed for every thread; tile i − 1 is consumed, its stage free again
         if (i > 0) store(i - 1);
         issue(i + S - 1);
@@ -337,8 +331,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) indexer_scores_mma(
 #pragma unroll
         for (int s = 0; s < kSteps; ++s) {
             unsigned a[4];
-            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(a_tile + s * 32));
+            ldmatrix_x4(a, a_tile + s * 32);
 #pragma unroll
             for (int n = 0; n < 4; ++n) mma_bf16(acc[n], a, b[n][s][0], b[n][s][1]);
         }

@@ -14,9 +14,8 @@ constexpr int kMaxExperts = 384;
 constexpr int kMaxActive = 8;
 constexpr float kLowest = -3.402823466e38f;  // below every real score
 
-// As np.logaddexp(0, x) and the reference's sigmoid.
+// As np.logaddexp(0, x).
 __device__ __forceinline__ float softplus(float x) { return fmaxf(x, 0.f) + log1pf(expf(-fabsf(x))); }
-__device__ __forceinline__ float sigmoid(float x) { return 0.5f * (1.f + tanhf(0.5f * x)); }
 
 // One warp per token. s = sqrt(softplus(logit)); hash layers take the experts from tid2eid[ids[t]],
 // routed layers the top `active` of s + bias (lowest index first among equals); the weights are

@@ -56,6 +56,7 @@ def _facts():
     hcs = constants("hc.cu")
     mo = constants("moe.cu")
     fp4 = constants("moe_fp4.cu")
+    mma = constants("moe_mma.cu")
     yield "attention.MAX_HEAD_DIM", attention.MAX_HEAD_DIM, att["kMaxHeadDim"]
     yield "attention.BLOCK_HEADS", attention.BLOCK_HEADS, att["kBlockHeads"]
     yield "attention.ATTENTION_THREADS", attention.ATTENTION_THREADS, launch_bounds("attention.cu", "sparse_attention")[0]
@@ -95,6 +96,10 @@ def _facts():
     yield "moe.SKINNY_ROWS", moe.SKINNY_ROWS, mo["kSkinnyRows"]
     yield "moe.SKINNY_WARPS", moe.SKINNY_WARPS, mo["kSkinnyWarps"]
     yield "moe.SKINNY_W", moe.SKINNY_W, mo["kSkinnyW"]
+    for name in ("ROWS", "COLS", "K", "STAGES", "WARPS"):
+        yield f"moe.MMA_{name}", getattr(moe, f"MMA_{name}"), mma[f"kMma{name.title()}"]
+    yield "moe.MMA_SHARED", moe.MMA_SHARED, mma["kMmaStages"] * mma["kMmaStageElems"] * 2
+    yield "moe_gemm_mma threads", 32 * moe.MMA_WARPS, launch_bounds("moe_mma.cu", "moe_gemm_mma")[0]
     yield "moe_fp4.TILE_ROWS", moe_fp4.TILE_ROWS, fp4["kFp4Rows"]
     yield "moe_fp4.BLOCK", moe_fp4.BLOCK, fp4["kFp4Block"]
     yield "moe_fp4.MAX_WARPS", moe_fp4.MAX_WARPS, fp4["kFp4MaxWarps"]

@@ -44,16 +44,18 @@ def _read_prompts(path: str) -> list[str]:
 def generate(model, prompts_path, max_new_tokens, temperature, top_p, top_k, seed, chat, as_json, stats, device,
              numerics, no_prefix_cache):
     """Complete every prompt of a file, batched by the serving engine."""
-    from ..chat import encode_messages
+    from ..chat import encode_prompt_ids
     from ..engine import Engine
     params = SamplingParams(temperature, top_p, top_k, max_new_tokens, seed).check(option_name)
     prompts = _read_prompts(prompts_path)
-    texts = [encode_messages([{"role": "user", "content": p}]) for p in prompts] if chat else prompts
     device = resolve_device(device)
     off = {"prefix_cache_blocks": 0, "prefix_cache_bytes": 0} if no_prefix_cache else {}
     engine = Engine(model, device, numerics=numerics, **off)
+    # a typed marker such as <｜Assistant｜> stays text in a chat-wrapped prompt
+    inputs = [encode_prompt_ids(engine.tokenizer, [{"role": "user", "content": p}]) for p in prompts] if chat \
+        else prompts
     start = time.perf_counter()
-    outputs = engine.generate(texts, params)
+    outputs = engine.generate(inputs, params)
     seconds = time.perf_counter() - start
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         if as_json:

@@ -19,7 +19,7 @@ from ..kv.slab import DEFAULT_SLAB_BYTES, SlabAllocator
 from ..reference import load_model
 from ..reference.sampling import SamplingParams
 from .prefix import PrefixCache
-from .loop import EngineLoop, TokenStream
+from .loop import EngineLoop
 from .request import Request
 from .runner import CpuRunner, Runner
 from .scheduler import Scheduler
@@ -175,10 +175,8 @@ class Engine:
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
-        streams: list[TokenStream] = []
+        streams = self.loop.submit_all(list(zip(prompts, per_prompt)))
         try:
-            for prompt, p in zip(prompts, per_prompt):
-                streams.append(self.loop.submit(prompt, p))
             for s in streams:
                 s.result()
         except BaseException:

@@ -116,11 +116,17 @@ class EngineLoop:
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                aloop: asyncio.AbstractEventLoop | None = None) -> TokenStream:
         """Queue one request; `aloop`: the event loop of the asyncio task that will read the stream."""
-        stream = TokenStream(self, self.engine.new_request(prompt, params), aloop)
+        return self.submit_all([(prompt, params)], aloop)[0]
+
+    def submit_all(self, requests: Sequence[tuple[str | Sequence[int], SamplingParams | None]],
+                   aloop: asyncio.AbstractEventLoop | None = None) -> list[TokenStream]:
+        """Queue several requests together: all are checked before any is queued, and the loop takes
+        them in at once (a batch is admitted as one, as far as the cache allows)."""
+        streams = [TokenStream(self, self.engine.new_request(prompt, params), aloop) for prompt, params in requests]
         with self._cond:
-            self._inbox.append(stream)
+            self._inbox += streams
             self._wake()
-        return stream
+        return streams
 
     def abort(self, request_id, wait: bool = False) -> None:
         done = threading.Event() if wait else None

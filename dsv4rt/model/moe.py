@@ -4,7 +4,8 @@ sort of the (token, slot) pairs by expert → grouped GEMM w1/w3 + clamped SwiGL
 grouped GEMM w2 → shared expert → the sum of each token's rows. Decode batches (a few rows per expert) take the skinny grouped GEMM,
 which streams each expert's weights once per 8 rows and carries the shared expert as extra row tiles
 (H200, bf16 Flash, 1 token: 94 us for the 7 experts' 352 MB, 3.75 TB/s); longer batches the 64-row
-tiled one and cuBLAS for the shared expert."""
+tiled one (on the tensor cores for bf16 with dim and inter multiples of 64, cuda_src/moe_mma.cu) and cuBLAS for
+the shared expert."""
 from __future__ import annotations
 
 import ctypes
@@ -22,6 +23,10 @@ MAX_EXPERTS, MAX_ACTIVE = 384, 8  # moe.cu's kMaxExperts, kMaxActive
 TILE_N = 64
 GEMM_THREADS = 256
 SKINNY_ROWS, SKINNY_WARPS, SKINNY_W = 8, 4, 4  # moe.cu's kSkinnyRows, kSkinnyWarps, kSkinnyW
+# moe_mma.cu's kMmaRows, kMmaCols, kMmaK, kMmaStages, kMmaWarps; its rows are the tiled path's tile_rows (64).
+MMA_ROWS, MMA_COLS, MMA_K, MMA_STAGES, MMA_WARPS = 64, 128, 32, 4, 4
+MMA_SHARED = MMA_STAGES * (MMA_ROWS + MMA_COLS) * (MMA_K + 8) * 2
+MMA_MULTIPLE = 64
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,30 @@ def swiglu(device: Device, dtype, h: int, g: int, u: int, rows: int, cols: int, 
         ctypes.c_int(cols), ctypes.c_int(unweighted)])
 
 
+def mma_fits(dtype, n: int, k: int) -> bool:
+    """Whether moe_gemm_mma takes these operands: the bf16 build, n and k multiples of MMA_MULTIPLE."""
+    return storage_name(dtype) == "__nv_bfloat16" and n % MMA_MULTIPLE == 0 and k % MMA_MULTIPLE == 0
+
+
+def grouped_mma(device: Device, dtype, out: int, a: int, perm: int | None, active: int, weight: int | None,
+                w_first: int, w_second: int | None, offsets: int, tile_offsets: int, experts: int, tiles: int,
+                n: int, k: int, limit: float) -> Launch:
+    """moe_gemm<bf16, 64, GATED>'s grouped GEMM on the tensor cores (cuda_src/moe_mma.cu), GATED when w_second is
+    given: out [rows, n] over the rows sorted by moe_sort into MMA_ROWS-row tiles (`tiles` of them at most)."""
+    if not mma_fits(dtype, n, k):
+        raise ValueError(f"moe_gemm_mma takes bf16 operands with n and k multiples of {MMA_MULTIPLE}, not "
+                         f"{np.dtype(dtype)} with n {n}, k {k}")
+    gated = w_second is not None
+    if gated and (perm is None or weight is None):
+        raise ValueError("the gated GEMM scales its rows by their routing weight[perm[row]]")
+    P, I = ctypes.c_void_p, ctypes.c_int
+    fn = device.kernel("moe_mma", f"moe_gemm_mma<{'true' if gated else 'false'}>", declared("moe_mma"))
+    fn.allow_shared(MMA_SHARED)
+    cols = MMA_COLS // 2 if gated else MMA_COLS
+    return fn.bind((-(-n // cols), tiles), 32 * MMA_WARPS, [
+        P(out), P(a), P(perm or 0), I(active), P(weight or 0), P(w_first), P(w_second or 0), P(offsets),
+        P(tile_offsets), I(experts), I(n), I(k), ctypes.c_float(limit)], shared=MMA_SHARED)
+
 
 def shared_expert(device: Device, blas: Blas, dtype, d: MoeDims, at: dict[str, int], x: int, shared: ExpertWeights,
                   limit: float) -> list[Launch]:
@@ -204,6 +233,15 @@ class MoE:
                     P(at["expert_out"]), P(at["hidden"]), P(0), I(d.active), P(0), P(routed.w2), P(0),
                     P(at["offsets"]), P(at["tile_offsets"]), I(d.experts), I(d.max_tiles), P(at["shared_out"]), P(at["shared_h"]),
                     P(s2), P(0), I(s_rows), I(d.dim), I(d.inter), V(limit)]),
+            ]
+        elif mma_fits(dtype, d.inter, d.dim):
+            common = dict(offsets=at["offsets"], tile_offsets=at["tile_offsets"], experts=d.experts,
+                          tiles=d.max_tiles, limit=limit)
+            self.grouped = [
+                grouped_mma(device, dtype, at["hidden"], x, at["perm"], d.active, at["weight"], routed.w1, routed.w3,
+                            n=d.inter, k=d.dim, **common),
+                grouped_mma(device, dtype, at["expert_out"], at["hidden"], None, d.active, None, routed.w2, None,
+                            n=d.dim, k=d.inter, **common),
             ]
         else:
             self.grouped = [

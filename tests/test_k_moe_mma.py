@@ -1,0 +1,91 @@
+"""The bf16 build's grouped expert GEMM on the tensor cores (cuda_src/moe_mma.cu): alone against a float64 grouped
+GEMM on hand-made sorts (experts of 0, 1, 7, 63, 64, 130 and 200 rows, column tiles past n, 2 to 8 k steps), gated
+and not, gathered and not; then in the whole MoE layer against reference.moe.MoE at Flash-like widths."""
+import numpy as np
+import pytest
+
+from conftest import rel_rows
+from moe_cases import BF16, fetch, held, ran
+from test_k_moe import Layer, build, check_sort
+
+COUNTS = np.array([0, 1, 64, 130, 0, 63, 200, 7])  # rows per expert, 155 tokens x 3 slots
+ACTIVE = 3
+SPARE = 64  # output rows past the sorted ones: a partial tile's rows past its expert must leave them alone
+
+
+def bf16_values(a: np.ndarray) -> np.ndarray:
+    return a.astype(BF16).astype(np.float64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(128, 64), (192, 256), (64, 192)])
+@pytest.mark.parametrize("gated, gathered", [(True, True), (False, False), (False, True)],
+                         ids=["gated", "plain", "plain-gathered"])
+def test_grouped_gemm(rt, dev, n, k, gated, gathered):
+    from dsv4rt.model.moe import MMA_ROWS, grouped_mma
+    rng = np.random.default_rng(n + k + 2 * gated + gathered)
+    experts, pairs = len(COUNTS), int(COUNTS.sum())
+    offsets = np.concatenate([[0], np.cumsum(COUNTS)]).astype(np.int32)
+    tiles = -(-COUNTS // MMA_ROWS)
+    tile_offsets = np.concatenate([[0], np.cumsum(tiles)]).astype(np.int32)
+    perm = rng.permutation(pairs).astype(np.int32)
+    a = bf16_values(rng.standard_normal((pairs // ACTIVE if gathered else pairs, k)))
+    rows = a[perm // ACTIVE] if gathered else a
+    w = [bf16_values(rng.standard_normal((experts, n, k)) * k ** -0.5) for _ in range(2 if gated else 1)]
+    weight = rng.uniform(0.1, 2.0, pairs).astype(np.float32)
+    limit = 1.5  # the products are ~N(0, 1): both clamps bite
+
+    ref = np.empty((pairs, n))
+    for e in range(experts):
+        s = slice(offsets[e], offsets[e + 1])
+        acc = rows[s] @ w[0][e].T
+        if gated:
+            g, u = np.minimum(acc, limit), np.clip(rows[s] @ w[1][e].T, -limit, limit)
+            acc = g / (1 + np.exp(-g)) * u * weight[perm[s]][:, None]
+        ref[s] = acc
+
+    mats = [dev(m.astype(BF16)) for m in w]
+    tables = [dev(np.array([m.ptr + i * n * k * 2 for i in range(experts)], np.uint64)) for m in mats]
+    out = dev(np.full((pairs + SPARE, n), np.nan, BF16))
+    dperm, dweight = dev(perm), dev(weight)
+    grouped_mma(rt.device, BF16, out.ptr, dev(a.astype(BF16)).ptr, dperm.ptr if gathered else None, ACTIVE,
+                dweight.ptr if gated else None, tables[0].ptr, tables[1].ptr if gated else None, dev(offsets).ptr,
+                dev(tile_offsets).ptr, experts, int(tiles.sum()) + 3, n, k, limit)(rt.stream)
+    y = fetch(rt, out, (pairs + SPARE, n), BF16).astype(np.float64)
+    assert np.isnan(y[pairs:]).all()
+    y = y[:pairs]
+    assert np.isfinite(y).all()
+    # bf16 rounding of the output (2^-9 relative) dominates; fp32 sums of ≤ 256 products stay far below the floor.
+    bad = np.abs(y - ref) > 2.0 ** -8 * np.abs(ref) + 1e-5 * np.abs(ref).max()
+    assert not bad.any(), (np.argwhere(bad)[:8], y[bad][:8], ref[bad][:8])
+
+
+@pytest.mark.parametrize("dtype, n, k", [(np.float32, 128, 128), (BF16, 96, 128), (BF16, 128, 200)])
+def test_refuses_other_operands(dtype, n, k):
+    from dsv4rt.model.moe import grouped_mma, mma_fits
+    assert not mma_fits(dtype, n, k)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        grouped_mma(None, dtype, 0, 0, None, 1, None, 0, None, 0, 0, 8, 1, n, k, 1.0)
+
+
+@pytest.fixture(scope="module")
+def wide():
+    """Flash-like widths (multiples of 64, k of 8 and 16 steps) with experts of several row tiles."""
+    yield from held(Layer(dim=512, inter=256, experts=16, active=4, limit=6.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [200, 700])
+@pytest.mark.parametrize("hashed", [False, True], ids=["routed", "hash"])
+@pytest.mark.parametrize("with_shared", [True, False], ids=["shared", "no-shared"])
+def test_layer(rt, blas, wide, tokens, hashed, with_shared):
+    with ran(rt, blas, wide, build, BF16, tokens, hashed, seed=5000 + tokens, with_shared=with_shared) as (
+            moe, x, ids, y):
+        assert [launch.kernel.name for launch in moe.grouped] == ["moe_gemm_mma<true>", "moe_gemm_mma<false>"]
+        ref = wide.reference(hashed, with_shared)
+        err = rel_rows(y, ref(x, ids)).max()
+        assert err < 1e-2, err
+        counts = check_sort(moe, ref.route(x, ids)[0], tokens * wide.active)
+    assert (counts % 64).any()
+    if tokens == 700:
+        assert counts.max() > 2 * 64
