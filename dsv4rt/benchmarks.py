@@ -131,7 +131,7 @@ def serve(model_dir, n: int, prompt_len: list[int], output_len: list[int], max_r
     kv = _kv_bytes(model_dir, hi + out_hi, min(n, max_running))
     e = Engine(model_dir, "cuda", kv_bytes=kv, max_running=max_running, max_len=hi + out_hi + 8,
                token_budget=max(512, max_running))
-    e.generate([[2, 3, 4]], SamplingParams(temperature=0, max_new_tokens=4))     # loads kernels
+    e.warm_up()
     t0 = time.perf_counter()
     ids = [e.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=k)) for prompt, k in work]
     requests = [e._live[i] for i in ids]

@@ -142,6 +142,15 @@ def test_stream_matches_generate_and_abort_frees_pages(tiny):
     assert e.scheduler.blocks.allocator.free_slabs == e.scheduler.blocks.allocator.n_slabs
 
 
+def test_warm_up_leaves_nothing_behind_and_changes_no_generation(tiny):
+    e = Engine(tiny)
+    cold = e.generate(["The weather today"], GREEDY)[0].token_ids
+    e.warm_up()
+    assert not e.has_unfinished() and used_pages(e.scheduler.blocks) == [0, 0, 0]
+    assert e.scheduler.blocks.allocator.free_slabs == e.scheduler.blocks.allocator.n_slabs
+    assert e.generate(["The weather today"], GREEDY)[0].token_ids == cold
+
+
 def test_engine_errors(tiny):
     from dsv4rt.cuda.driver import gpu_visible
     if not gpu_visible():

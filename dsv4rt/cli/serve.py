@@ -38,6 +38,7 @@ def serve(model, host, port, api_key, served_model_name, device, max_running, ma
     device = resolve_device(device)
     engine = Engine(model, device, kv_bytes=int(kv_gib * (1 << 30)), max_running=max_running,
                     max_len=max_model_len, numerics=numerics)
+    engine.warm_up()
     name = served_model_name or Path(model).resolve().name
     server = Server(engine, name, api_key, max_waiting, max_body_bytes)
     config = uvicorn.Config(server.app(), host=host, port=port, log_level="warning", access_log=False,

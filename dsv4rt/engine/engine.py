@@ -185,6 +185,11 @@ class Engine:
             raise
         return [self.output(s.request) for s in streams]
 
+    def warm_up(self) -> None:
+        """One short greedy request, so that the kernels are loaded (and the one-row decode graph captured) before
+        a first real request would wait for them."""
+        self.generate([[2, 3, 4]], SamplingParams(temperature=0, max_new_tokens=4))
+
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[str]:
         """Text pieces of one completion as they are sampled; closing the iterator early aborts it."""
         tokens = self.loop.submit(prompt, params)
