@@ -15,7 +15,7 @@ from .loader import Checkpoint
 from .model.forward import Entry, GpuModel
 from .model.graphs import DecodeGraphs
 from .model.inputs import SamplingArrays
-from .model.roofline import decode_bytes
+from .model.roofline import decode_bytes, prefill_flops
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 SLAB_SLACK = 3 * (2 << 20)      # a partly used slab per size class
@@ -106,7 +106,14 @@ def _time_decode(m: GpuModel, graphs: DecodeGraphs, B: int, C: int, reps: int, c
                 host_us=float(np.median(host)) * 1e6, gbps=nbytes / step / 1e6, note="")
 
 
-def prefill(model_dir, lengths: list[int]) -> list[dict]:
+def prefill_row(cfg, tokens: int, seconds: float, ceiling_tflops: float, note: str = "") -> dict:
+    flops = prefill_flops(cfg, tokens)
+    tflops = flops / seconds / 1e12
+    return dict(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, gflop_per_token=flops / tokens / 1e9,
+                tflops=tflops, fraction=tflops / ceiling_tflops, note=note)
+
+
+def prefill(model_dir, lengths: list[int], ceiling_tflops: float) -> list[dict]:
     rows = []
     with Runtime() as rt:
         L = max(lengths)
@@ -118,7 +125,7 @@ def prefill(model_dir, lengths: list[int]) -> list[dict]:
             t0 = time.perf_counter()
             m.forward(ids, last_only=True)
             s = time.perf_counter() - t0
-            rows.append(dict(tokens=T, seconds=s, tokens_per_s=T / s, note=f"chunks of {m.max_chunk}"))
+            rows.append(prefill_row(m.cfg, T, s, ceiling_tflops, f"chunks of {m.max_chunk}"))
     return rows
 
 

@@ -12,6 +12,9 @@ from . import main
 # A kernel's device-to-device copy on the H200, read plus write (the device tool's KINDS.md; a driver
 # memcpy runs on the copy engines and is slower). Pass --copy-gbps to use another measurement.
 COPY_GBPS = 4300.0
+# cuBLAS bf16 8192³ on the H200 (bench/kernels.py, bench/NOTES.md): the prefill's matrix ceiling.
+BF16_TFLOPS = 790.0
+MAX_PREFILL_TOKENS = 1 << 20     # max_position_embeddings of the released models
 
 
 def _ints(ctx, param, text: str) -> list[int]:
@@ -30,6 +33,14 @@ def _span(ctx, param, text: str) -> list[int]:
     values = _ints(ctx, param, text)
     if len(values) != 2 or values[0] > values[1]:
         raise click.BadParameter(f"'{text}' must be min,max with min <= max")
+    return values
+
+
+def _prompt_lengths(ctx, param, text: str) -> list[int]:
+    values = _ints(ctx, param, text)
+    if max(values) > MAX_PREFILL_TOKENS:
+        raise click.BadParameter(
+            f"{max(values)} is above {MAX_PREFILL_TOKENS} tokens, the longest prompt the models take")
     return values
 
 
@@ -81,14 +92,15 @@ def decode(model_dir, batches, contexts, reps, copy_gbps, json_path):
 
 @bench.command()
 @click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False))
-@click.option("--tokens", default="8192,65536", show_default=True, callback=_ints)
+@click.option("--tokens", default="8192,65536", show_default=True, callback=_prompt_lengths)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
 def prefill(model_dir, tokens, json_path):
-    """Prefill throughput of one prompt of each length (random token ids), through the chunked forward."""
+    """Prefill throughput of one prompt of each length (random token ids), through the chunked forward, with the
+    FLOPs a token costs (dsv4rt/model/roofline.py) and the fraction of the bf16 ceiling achieved."""
     from .. import benchmarks
-    rows = benchmarks.prefill(model_dir, tokens)
-    _table(rows, ["tokens", "seconds", "tokens_per_s", "note"])
-    _write(json_path, dict(kind="prefill", rows=rows))
+    rows = benchmarks.prefill(model_dir, tokens, BF16_TFLOPS)
+    _table(rows, ["tokens", "seconds", "tokens_per_s", "gflop_per_token", "tflops", "fraction", "note"])
+    _write(json_path, dict(kind="prefill", bf16_tflops=BF16_TFLOPS, rows=rows))
 
 
 @bench.command()
