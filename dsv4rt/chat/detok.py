@@ -11,6 +11,17 @@ def _byte_level_alphabet():
 
 
 _BYTE_OF_CHAR = _byte_level_alphabet()
+_SHARED: dict[int, tuple] = {}   # id(tokenizer) -> (tokenizer, its special ids, bytes of the tokens seen so far)
+
+
+def _shared(tokenizer) -> tuple:
+    """What every decoder of one tokenizer shares: walking the added tokens for the special ids takes about a
+    millisecond, which a server would otherwise pay per request, and the token bytes cache fills once."""
+    entry = _SHARED.get(id(tokenizer))
+    if entry is None or entry[0] is not tokenizer:
+        special = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+        entry = _SHARED[id(tokenizer)] = (tokenizer, special, {})
+    return entry
 
 
 class StreamDecoder:
@@ -22,8 +33,8 @@ class StreamDecoder:
 
     def __init__(self, tokenizer, skip_special=True):
         self._tokenizer = tokenizer
-        self._skip = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special} if skip_special else set()
-        self._bytes_of = {}
+        _, special, self._bytes_of = _shared(tokenizer)
+        self._skip = special if skip_special else frozenset()
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def push(self, token_id) -> str:
