@@ -17,7 +17,6 @@ constexpr int kHcThreads = 256;
 constexpr int kHcTok = 4;
 constexpr int kHcMaxTok = kHcTok * (kHcThreads / 32);
 
-
 template <int N>
 __device__ __forceinline__ void load_f32(const float* p, float (&w)[N]) {
     if constexpr (N == 1) {

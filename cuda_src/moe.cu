@@ -159,8 +159,9 @@ struct TileLoader {
 // blockIdx.y is a row tile of BM rows counted over all experts (tile_offsets from moe_sort; tiles past
 // the total return at once), blockIdx.x a tile of 64 columns. a_row(r) is a[perm[r] / active] when
 // perm is given (tokens gathered on the fly), else a[r]. GATED: two weights (w1, w3) and the clamped
-// SwiGLU silu(min(g, L)) · clamp(u, −L, L) times the pair's routing weight[perm[r]] on the way out. 16x16 threads, each BM/16 rows × 4 columns,
-// fp32 accumulation in registers. k must be a multiple of 8 and rows 16-byte aligned.
+// SwiGLU silu(min(g, L)) · clamp(u, −L, L) times the pair's routing weight[perm[r]] on the way out. 16x16
+// threads, each BM/16 rows × 4 columns, fp32 accumulation in registers. k must be a multiple of 8 and rows
+// 16-byte aligned.
 template <typename T, int BM, bool GATED>
 __global__ void __launch_bounds__(kGemmThreads) moe_gemm(T* out, const T* a, const int* perm, int active,
                                                          const float* weight, const unsigned long long* w_first,
@@ -258,12 +259,12 @@ __device__ __forceinline__ void unpack(const uint4& raw, float (&v)[kVec<T>]) {
 
 // One tile of RR ≥ rows rows against the warp's weight rows w: out[row0 + r, col0 + c] for r < rows. Row r of
 // the tile is a[(gather ? gather[row0 + r] / active : row0 + r)]; rows from `rows` to RR repeat a valid one and
-// are never stored. Weight columns past n likewise. GATED rows that are gathered (routed pairs) are scaled by their
-// routing weight[gather[row]].
+// are never stored. Weight columns past n likewise. GATED rows that are gathered (routed pairs) are scaled by
+// their routing weight[gather[row]].
 template <typename T, int RR, bool GATED>
 __device__ __forceinline__ void skinny_tile(T* out, float* out_f32, const T* a, const int* gather, int active,
-                                            const float* weight, int row0, int rows, const T* const (&w)[kSkinnyW], int col0, int n, int k,
-                                            float limit) {
+                                            const float* weight, int row0, int rows, const T* const (&w)[kSkinnyW],
+                                            int col0, int n, int k, float limit) {
     constexpr int V = kVec<T>, STEP = 32 * V, COLS = GATED ? kSkinnyW / 2 : kSkinnyW;
     constexpr int STEPS = RR >= 8 ? 1 : kSkinnySteps;  // loads in flight, within the registers of 3 blocks an SM
     const int lane = threadIdx.x & 31;
@@ -310,8 +311,7 @@ __device__ __forceinline__ void skinny_tile(T* out, float* out_f32, const T* a, 
             float v = warp_sum(acc[r][c]);
             if constexpr (GATED) {
                 const float u = fminf(fmaxf(warp_sum(acc[r][c + COLS]), -limit), limit), g = fminf(v, limit);
-                v = g * sigmoid(g) * u;
-                v *= scale[r];
+                v = g * sigmoid(g) * u * scale[r];
             }
             if (lane != (r * COLS + c) % 32 || col0 + c >= n) continue;
             if (out_f32) out_f32[at + col0 + c] = v;
@@ -327,10 +327,10 @@ __device__ __forceinline__ void skinny_tile(T* out, float* out_f32, const T* a, 
 // combine adds in fp32). k must be a multiple of 8 and rows 16-byte aligned.
 template <typename T, bool GATED>
 __global__ void __launch_bounds__(32 * kSkinnyWarps, 3)
-    moe_skinny(T* out, const T* a, const int* perm, int active, const float* weight, const unsigned long long* w_first,
-               const unsigned long long* w_second, const int* offsets, const int* tile_offsets, int experts,
-               int routed_tiles, void* shared_out, const T* shared_a, const T* shared_first, const T* shared_second,
-               int shared_rows, int n, int k, float limit) {
+    moe_skinny(T* out, const T* a, const int* perm, int active, const float* weight,
+               const unsigned long long* w_first, const unsigned long long* w_second, const int* offsets,
+               const int* tile_offsets, int experts, int routed_tiles, void* shared_out, const T* shared_a,
+               const T* shared_first, const T* shared_second, int shared_rows, int n, int k, float limit) {
     constexpr int COLS = GATED ? kSkinnyW / 2 : kSkinnyW;
     const int tile = blockIdx.y;
     const bool shared = tile >= routed_tiles;
@@ -356,10 +356,14 @@ __global__ void __launch_bounds__(32 * kSkinnyWarps, 3)
                                : reinterpret_cast<const T*>((second ? w_second : w_first)[e]);
         w[c] = base + static_cast<size_t>(min(col0 + c % COLS, n - 1)) * k;
     }
-    if (rows == 1) skinny_tile<T, 1, GATED>(out, out_f32, a, perm, active, weight, row0, rows, w, col0, n, k, limit);
-    else if (rows == 2) skinny_tile<T, 2, GATED>(out, out_f32, a, perm, active, weight, row0, rows, w, col0, n, k, limit);
-    else if (rows <= 4) skinny_tile<T, 4, GATED>(out, out_f32, a, perm, active, weight, row0, rows, w, col0, n, k, limit);
-    else skinny_tile<T, kSkinnyRows, GATED>(out, out_f32, a, perm, active, weight, row0, rows, w, col0, n, k, limit);
+    if (rows == 1)
+        skinny_tile<T, 1, GATED>(out, out_f32, a, perm, active, weight, row0, rows, w, col0, n, k, limit);
+    else if (rows == 2)
+        skinny_tile<T, 2, GATED>(out, out_f32, a, perm, active, weight, row0, rows, w, col0, n, k, limit);
+    else if (rows <= 4)
+        skinny_tile<T, 4, GATED>(out, out_f32, a, perm, active, weight, row0, rows, w, col0, n, k, limit);
+    else
+        skinny_tile<T, kSkinnyRows, GATED>(out, out_f32, a, perm, active, weight, row0, rows, w, col0, n, k, limit);
 }
 
 // h = silu(min(g, L)) · clamp(u, −L, L) over `count` elements of rows of `cols`. When weight is given, rows from
@@ -371,8 +375,10 @@ __global__ void __launch_bounds__(256) swiglu(T* h, const float* g, const float*
          i += static_cast<long long>(gridDim.x) * blockDim.x) {
         const float gi = fminf(g[i], limit), ui = fminf(fmaxf(u[i], -limit), limit);
         float v = gi * sigmoid(gi) * ui;
-        const long long row = i / cols - unweighted;
-        if (weight && row >= 0) v *= weight[perm[row]];
+        if (weight) {
+            const long long row = i / cols - unweighted;
+            if (row >= 0) v *= weight[perm[row]];
+        }
         h[i] = from_float<T>(v);
     }
 }

@@ -13,7 +13,6 @@ constexpr int kMmaRows = 64, kMmaCols = 128, kMmaK = 32, kMmaStages = 4, kMmaWar
 constexpr int kMmaStride = kMmaK + 8;
 constexpr int kMmaStageElems = (kMmaRows + kMmaCols) * kMmaStride;
 
-
 // Arguments as moe_gemm<__nv_bfloat16, kMmaRows, GATED> (moe_sort with tile_rows kMmaRows); grid
 // (ceil(n / (GATED ? 64 : 128)), row tiles), block kMmaWarps · 32, dynamic shared memory kMmaStages ·
 // kMmaStageElems · 2 bytes. n and k must be multiples of 64, a and the weights 16-byte aligned.
@@ -23,7 +22,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
                  const unsigned long long* w_first, const unsigned long long* w_second, const int* offsets,
                  const int* tile_offsets, int experts, int n, int k, float limit) {
     using T = __nv_bfloat16;
-    constexpr int A_COPIES = kMmaRows * kMmaK / 8 / (kMmaWarps * 32), B_COPIES = kMmaCols * kMmaK / 8 / (kMmaWarps * 32);
+    constexpr int A_COPIES = kMmaRows * kMmaK / 8 / (kMmaWarps * 32);  // 16-byte copies a thread makes per step
+    constexpr int B_COPIES = kMmaCols * kMmaK / 8 / (kMmaWarps * 32);
     constexpr int COLS = GATED ? kMmaCols / 2 : kMmaCols;  // output columns of a block
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sa = reinterpret_cast<T*>(smem_raw);           // [stage][kMmaRows][kMmaStride]

@@ -1,9 +1,9 @@
 """Mixture of experts on the GPU (twin: dsv4rt/reference/moe.py). One bound sequence, no host
 synchronisation, so a CUDA graph can hold it: gate GEMM (cuBLAS, fp32 logits) → routing → counting
 sort of the (token, slot) pairs by expert → grouped GEMM w1/w3 + clamped SwiGLU times the routing weight →
-grouped GEMM w2 → shared expert → the sum of each token's rows. Decode batches (a few rows per expert) take the skinny grouped GEMM,
-which streams each expert's weights once per 8 rows and carries the shared expert as extra row tiles
-(H200, bf16 Flash, 1 token: 94 us for the 7 experts' 352 MB, 3.75 TB/s); longer batches the 64-row
+grouped GEMM w2 → shared expert → the sum of each token's rows. Decode batches (a few rows per expert) take the
+skinny grouped GEMM, which streams each expert's weights once per 8 rows and carries the shared expert as extra
+row tiles (H200, bf16 Flash, 1 token: 94 us for the 7 experts' 352 MB, 3.75 TB/s); longer batches the 64-row
 tiled one (on the tensor cores for bf16 with dim and inter multiples of 64, cuda_src/moe_mma.cu) and cuBLAS for
 the shared expert."""
 from __future__ import annotations
@@ -226,13 +226,13 @@ class MoE:
                 kernel(device, f"moe_skinny<{t},true>").bind(
                     (-(-d.inter // (SKINNY_WARPS * SKINNY_W // 2)), tiles), 32 * SKINNY_WARPS, [
                     P(at["hidden"]), P(x), P(at["perm"]), I(d.active), P(at["weight"]), P(routed.w1), P(routed.w3),
-                    P(at["offsets"]), P(at["tile_offsets"]), I(d.experts), I(d.max_tiles), P(at["shared_h"]), P(x), P(s1), P(s3),
-                    I(s_rows), I(d.inter), I(d.dim), V(limit)]),
+                    P(at["offsets"]), P(at["tile_offsets"]), I(d.experts), I(d.max_tiles), P(at["shared_h"]), P(x),
+                    P(s1), P(s3), I(s_rows), I(d.inter), I(d.dim), V(limit)]),
                 kernel(device, f"moe_skinny<{t},false>").bind(
                     (-(-d.dim // (SKINNY_WARPS * SKINNY_W)), tiles), 32 * SKINNY_WARPS, [
                     P(at["expert_out"]), P(at["hidden"]), P(0), I(d.active), P(0), P(routed.w2), P(0),
-                    P(at["offsets"]), P(at["tile_offsets"]), I(d.experts), I(d.max_tiles), P(at["shared_out"]), P(at["shared_h"]),
-                    P(s2), P(0), I(s_rows), I(d.dim), I(d.inter), V(limit)]),
+                    P(at["offsets"]), P(at["tile_offsets"]), I(d.experts), I(d.max_tiles), P(at["shared_out"]),
+                    P(at["shared_h"]), P(s2), P(0), I(s_rows), I(d.dim), I(d.inter), V(limit)]),
             ]
         elif mma_fits(dtype, d.inter, d.dim):
             common = dict(offsets=at["offsets"], tile_offsets=at["tile_offsets"], experts=d.experts,
