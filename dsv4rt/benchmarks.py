@@ -132,7 +132,7 @@ def prefill(model_dir, lengths: list[int], ceiling_tflops: float) -> list[dict]:
 def serve(model_dir, n: int, prompt_len: list[int], output_len: list[int], max_running: int, seed: int) -> dict:
     from .engine import Engine
     from .reference.sampling import SamplingParams
-    from .server.load import workload
+    from .server.load import latencies, workload
     work = workload(n, prompt_len, output_len, seed)       # what `bench serve --url` sends
     hi, out_hi = prompt_len[1], output_len[1]
     kv = _kv_bytes(model_dir, hi + out_hi, min(n, max_running))
@@ -145,12 +145,7 @@ def serve(model_dir, n: int, prompt_len: list[int], output_len: list[int], max_r
     while e.has_unfinished():
         e.step()
     wall = time.perf_counter() - t0
-    ttft = [r.token_times[0] - r.arrived for r in requests]
-    itl = np.concatenate([np.diff(r.token_times) for r in requests if len(r.token_times) > 1] or [np.zeros(0)])
     generated = sum(len(r.token_times) for r in requests)
     return dict(requests=n, prompt_tokens=sum(len(p) for p, _ in work), generated=generated, seconds=wall,
-                tokens_per_s=generated / wall, ttft_p50_ms=float(np.percentile(ttft, 50)) * 1e3,
-                ttft_p99_ms=float(np.percentile(ttft, 99)) * 1e3,
-                itl_p50_ms=float(np.percentile(itl, 50)) * 1e3 if len(itl) else 0.0,
-                itl_p99_ms=float(np.percentile(itl, 99)) * 1e3 if len(itl) else 0.0,
+                tokens_per_s=generated / wall, **latencies([(r.arrived, r.token_times) for r in requests]),
                 preemptions=e.scheduler.preemptions)

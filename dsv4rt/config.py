@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .files import json_int, read_regular
+from .files import is_int, load_json, read_regular
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 HASH_MOE, MOE = "hash_moe", "moe"
@@ -102,7 +102,7 @@ class ModelConfig:
         text = read_regular(path, ConfigError)
         try:
             # up to 4000 digits the key's own check names it; beyond, Python cannot even convert the number
-            raw = json.loads(text.decode("utf-8"), parse_int=lambda digits: json_int(digits, 4000))
+            raw = load_json(text, most=4000)
         except UnicodeDecodeError:
             raise ConfigError(f"{path}: config is not UTF-8 text") from None
         except json.JSONDecodeError as e:
@@ -147,7 +147,7 @@ def _int(raw: dict, key: str, default=None, low: int = 1, high: int = INT_MAX, n
     v = _value(raw, key, default, name)
     if isinstance(v, float) and v.is_integer():
         v = int(v)
-    if isinstance(v, bool) or not isinstance(v, int):
+    if not is_int(v):
         raise ConfigError(f"key '{name}' must be an integer, got {_show(v)}")
     if not low <= v <= high:
         raise ConfigError(f"key '{name}' must be an integer from {low} to {high}, got {_show(v)}")
@@ -180,7 +180,7 @@ def _list(raw: dict, key: str, element: type, n: int, exact: bool = True) -> lis
     """A list of `n` (at least n unless `exact`) elements of type `element`."""
     v = raw[key]
     what = {str: "strings", int: "integers"}[element]
-    if not isinstance(v, list) or not all(isinstance(x, element) and not isinstance(x, bool) for x in v):
+    if not isinstance(v, list) or not all(is_int(x) if element is int else isinstance(x, element) for x in v):
         raise ConfigError(f"key '{key}' must be a list of {what}, got {_show(v)}")
     if len(v) < n or (exact and len(v) != n):
         raise ConfigError(f"key '{key}' has {len(v)} entries, num_hidden_layers is {n}")
@@ -310,7 +310,7 @@ def _eos(raw: dict, vocab: int) -> int:
     """eos_token_id: one id, or a non-empty list of ids whose first is the one the model emits."""
     v = raw.get("eos_token_id")
     if isinstance(v, list):
-        if not v or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        if not v or not all(is_int(x) for x in v):
             raise ConfigError(f"key 'eos_token_id' must be an id or a non-empty list of ids, got {_show(v)}")
         return _int({"eos_token_id": v[0]}, "eos_token_id", low=0, high=vocab - 1)
     return _int(raw, "eos_token_id", 1, low=0, high=vocab - 1)

@@ -4,7 +4,6 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 import json
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -15,26 +14,12 @@ from safetensors.numpy import save_file
 
 from .config import from_dict
 from .loader import expected_shapes, quant_fp4, quant_fp8, scale_name
+from .loader.names import _FP4, _FP8, _is_fp32, released_format  # noqa: F401 (_FP4, _FP8: tests import them here)
 from .presets import PRESETS
 
-_FP32 = ("ape", "attn_sink", "gate.bias")  # the rest of the float tensors are bf16, as released
 FORMATS = ("bf16", "official")
-# the released checkpoints' storage (docs/formats.md#storage-formats); every other linear weight stays bf16
-_FP8 = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.ffn\.shared_experts\.w[123]\.weight$")
-_FP4 = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
 QUANTIZATION_CONFIG = dict(activation_scheme="dynamic", fmt="e4m3", quant_method="fp8", scale_fmt="ue8m0",
                            weight_block_size=[128, 128])
-
-
-def _is_fp32(name: str) -> bool:
-    return name.endswith(_FP32) or name.split(".")[-1].startswith("hc_")
-
-
-def released_format(name: str) -> str:
-    """How the released checkpoints store an official tensor: fp8, fp4, bf16, fp32, or int32 (hash tables)."""
-    if name.endswith("tid2eid"):
-        return "int32"
-    return "fp8" if _FP8.search(name) else "fp4" if _FP4.search(name) else "fp32" if _is_fp32(name) else "bf16"
 
 
 def _random(name: str, shape, rng: np.random.Generator, n_experts: int) -> np.ndarray:
@@ -56,7 +41,7 @@ def _random(name: str, shape, rng: np.random.Generator, n_experts: int) -> np.nd
 
 def _official(name: str, x: np.ndarray) -> dict[str, np.ndarray]:
     """One drawn tensor as released: itself, or its fp8/fp4 encoding with the `.scale` companion."""
-    quant = quant_fp8 if _FP8.search(name) else quant_fp4 if _FP4.search(name) else None
+    quant = {"fp8": quant_fp8, "fp4": quant_fp4}.get(released_format(name))
     if quant is None:
         return {name: x}
     q, scale = quant(x.astype(np.float32))

@@ -18,6 +18,12 @@ def rel_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 
+def used_pages(engine) -> int:
+    """KV pages the engine holds, over every size class."""
+    a = engine.scheduler.blocks.allocator
+    return sum(a.stats(c).used_pages for c in range(len(a.page_bytes)))
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests run only where a device is visible."""
     from dsv4rt.cuda.driver import gpu_visible

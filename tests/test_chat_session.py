@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from conftest import rel_rows
+from conftest import rel_rows, used_pages
 from dsv4rt.chat.session import ChatSession, Reply
 from dsv4rt.cli import main
 from dsv4rt.engine import Engine
@@ -71,7 +71,7 @@ def test_an_interrupted_reply_is_kept_and_the_next_turn_is_a_fresh_run_of_the_hi
         with pytest.raises(KeyboardInterrupt):
             pieces.throw(KeyboardInterrupt)
     assert not engine.has_unfinished()
-    assert sum(engine.scheduler.blocks.allocator.stats(c).used_pages for c in range(3)) == 0
+    assert used_pages(engine) == 0
     partial = session.messages[-1]
     assert partial["role"] == "assistant" and len(session.messages) == 2
     engine.runner.model = recording = LastLogits(engine.model)

@@ -6,6 +6,7 @@ import threading
 import numpy as np
 import pytest
 
+from conftest import used_pages
 from dsv4rt.engine import Engine
 from dsv4rt.reference.sampling import SamplingParams
 from dsv4rt.tiny import make_tiny
@@ -14,11 +15,6 @@ from dsv4rt.tiny import make_tiny
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("loop") / "tiny", "tiny")
-
-
-def used_pages(engine) -> int:
-    a = engine.scheduler.blocks.allocator
-    return sum(a.stats(c).used_pages for c in range(len(a.page_bytes)))
 
 
 def prompts(n: int) -> list[list[int]]:

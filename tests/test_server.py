@@ -237,6 +237,10 @@ def test_a_full_queue_is_a_429_and_sigterm_finishes_the_running_request_and_exit
     try:
         long = s.client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=60, seed=2, stream=True)
         first = next(iter(long))
+        for _ in range(100):           # the role chunk can come before the loop thread has taken the request in
+            if s.metrics()["dsv4rt_requests_running"] == 1:
+                break
+            time.sleep(0.05)
         queued = s.client.with_options(timeout=60).chat.completions.create(model="tiny", messages=HELLO, max_tokens=2,
                                                                           stream=True)
         for _ in range(100):

@@ -1,5 +1,6 @@
 """Streaming detokenization that never emits half a UTF-8 character."""
 import codecs
+import functools
 
 
 def _byte_level_alphabet():
@@ -11,17 +12,12 @@ def _byte_level_alphabet():
 
 
 _BYTE_OF_CHAR = _byte_level_alphabet()
-_SHARED: dict[int, tuple] = {}   # id(tokenizer) -> (tokenizer, its special ids, bytes of the tokens seen so far)
-
-
+@functools.cache  # a tokenizers.Tokenizer hashes and compares by identity: one entry per tokenizer object
 def _shared(tokenizer) -> tuple:
-    """What every decoder of one tokenizer shares: walking the added tokens for the special ids takes about a
-    millisecond, which a server would otherwise pay per request, and the token bytes cache fills once."""
-    entry = _SHARED.get(id(tokenizer))
-    if entry is None or entry[0] is not tokenizer:
-        special = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
-        entry = _SHARED[id(tokenizer)] = (tokenizer, special, {})
-    return entry
+    """(its special ids, bytes of the tokens seen so far): what every decoder of one tokenizer shares. Walking the
+    added tokens for the special ids takes about a millisecond, which a server would otherwise pay per request,
+    and the token bytes cache fills once."""
+    return frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special), {}
 
 
 class StreamDecoder:
@@ -33,7 +29,7 @@ class StreamDecoder:
 
     def __init__(self, tokenizer, skip_special=True):
         self._tokenizer = tokenizer
-        _, special, self._bytes_of = _shared(tokenizer)
+        special, self._bytes_of = _shared(tokenizer)
         self._skip = special if skip_special else frozenset()
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 

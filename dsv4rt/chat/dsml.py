@@ -39,16 +39,25 @@ def prompt_ids(tokenizer, messages, tools=None, tool_choice=None, thinking=False
 def parse_completion(text, thinking) -> dict:
     """The assistant message in a completion's text: content, reasoning_content and OpenAI tool_calls."""
     parser = StreamParser(thinking)
-    message = {"content": "", "reasoning_content": "", "tool_calls": []}
-    for event in parser.feed(text) + parser.finish():
+    return fold(parser.feed(text) + parser.finish())
+
+
+def fold(events) -> dict:
+    """StreamParser's events as one message: content, reasoning_content and OpenAI tool_calls."""
+    parts = {"content": [], "reasoning_content": [], "tool_calls": []}
+    for event in events:
         if "tool_call" in event:
-            call = event["tool_call"]
-            message["tool_calls"].append({"id": call["id"], "type": "function",
-                                          "function": {"name": call["name"], "arguments": call["arguments"]}})
+            parts["tool_calls"].append(openai_call(event["tool_call"]))
         else:
             (kind, piece), = event.items()
-            message[kind] += piece
-    return message
+            parts[kind].append(piece)
+    return {"content": "".join(parts["content"]), "reasoning_content": "".join(parts["reasoning_content"]),
+            "tool_calls": parts["tool_calls"]}
+
+
+def openai_call(call: dict) -> dict:
+    """A parsed tool call (a `tool_call` event) as OpenAI's tool_calls entry."""
+    return {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
 
 
 class StreamParser:
@@ -95,7 +104,7 @@ class StreamParser:
         return _merged(events)
 
     def _stops(self):
-        stops = [EOS_TEXT]
+        stops = []                     # no eos: feed cut the text at it (_held_back still holds its start)
         if self._mode == "reasoning_content":
             stops.append(END_THINK_TEXT)
         if self._tools:
@@ -205,8 +214,10 @@ def _header(buf, start, fields):
 
 
 def _held_back(buf, stops, tools):
-    """How many trailing characters could still become a marker (and, with tools, the newlines before one)."""
-    hold = max((n for s in stops for n in range(1, min(len(s), len(buf) + 1)) if buf.endswith(s[:n])), default=0)
+    """How many trailing characters could still become a marker or the eos (and, with tools, the newlines
+    before one)."""
+    hold = max((n for s in (*stops, EOS_TEXT) for n in range(1, min(len(s), len(buf) + 1)) if buf.endswith(s[:n])),
+               default=0)
     if tools:
         rest = buf[:len(buf) - hold]
         hold += min(2, len(rest) - len(rest.rstrip("\n")))

@@ -113,12 +113,13 @@ def render_pieces(messages, thinking_mode="chat", add_bos=True, drop_thinking=Tr
     thinking = thinking_mode == "thinking"
     msgs = _order_tool_results(_merge_tool_messages(messages))
     tools, must_call = _chosen_tools(tools, tool_choice)
+    host = None
     if tools:
         host = next((m for m in msgs if m.get("role") in ("system", "developer")), None)
         if host is None:
             host = {"role": "system", "content": ""}
             msgs.insert(0, host)
-        host["tools"], host["must_call"] = tools, must_call
+        host["tools"] = tools
     # Tool use relies on earlier reasoning, so the official encoder keeps it whenever tools are defined.
     keep_reasoning = not drop_thinking or any(m.get("tools") for m in msgs)
     if thinking and not keep_reasoning:
@@ -128,7 +129,8 @@ def render_pieces(messages, thinking_mode="chat", add_bos=True, drop_thinking=Tr
     if thinking and reasoning_effort == "max" and msgs:
         out.append(MAX_EFFORT_TEXT)
     for i in range(len(msgs)):
-        out += _body(i, msgs, thinking, keep_reasoning, last_user)
+        # Only the host message gets the tool_choice sentence (a client's message keys never become template text).
+        out += _body(i, msgs, thinking, keep_reasoning, last_user, must_call if msgs[i] is host else None)
         out.append(_transition(i, msgs, thinking, keep_reasoning, last_user))
     return out
 
@@ -203,16 +205,16 @@ def _text(value, what):
     raise ValueError(f"{what} must be a string or a list of text parts, not {type(value).__name__}")
 
 
-def _body(i, msgs, thinking, keep_reasoning, last_user):
+def _body(i, msgs, thinking, keep_reasoning, last_user, must_call=None):
     msg = msgs[i]
     role = msg.get("role")
     content = _text(msg.get("content"), f"{role} content")
     if role == "system":
-        return [content, *_extras(msg)]
+        return [content, *_extras(msg, must_call)]
     if role == "developer":
         if not content:
             raise ValueError("a developer message needs content")
-        return [USER_TEXT, content, *_extras(msg)]
+        return [USER_TEXT, content, *_extras(msg, must_call)]
     if role == "user":
         blocks = msg.get("content_blocks")
         if not blocks:
@@ -250,13 +252,13 @@ def _transition(i, msgs, thinking, keep_reasoning, last_user):
     return ""
 
 
-def _extras(msg):
+def _extras(msg, must_call=None):
     out = []
     if msg.get("tools"):
         head, tail = _TOOLS_TEXT.split("{schemas}")
         out += ["\n\n" + head, Typed("\n".join(_to_json(t["function"]) for t in msg["tools"])), tail]
-        if msg.get("must_call"):
-            out.append(msg["must_call"])
+        if must_call:
+            out.append(must_call)
     if msg.get("response_format"):
         out += ["\n\n" + _RESPONSE_FORMAT_TEXT, Typed(_to_json(msg["response_format"]))]
     return out

@@ -7,7 +7,7 @@ from the recorded history alone, as a fresh run of it would. A turn that fails l
 it was before the turn."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 from ..reference.sampling import SamplingParams
@@ -48,7 +48,7 @@ class ChatSession:
         if room < 1:
             raise ValueError(f"the message is too long: the prompt would be {len(ids)} tokens and the context "
                              f"holds {self.engine.max_len}; /clear forgets the conversation")
-        params = SamplingParams(**{**vars(self.params), "max_new_tokens": min(self.params.max_new_tokens, room)})
+        params = replace(self.params, max_new_tokens=min(self.params.max_new_tokens, room))
         return ids, params
 
     def reply(self, text: str, out: Reply) -> Iterator[str]:
@@ -58,7 +58,6 @@ class ChatSession:
         stream = self.engine.loop.submit(ids, params)
         decoder = StreamDecoder(self.engine.tokenizer)
         in_reasoning = self.thinking
-        complete = False
         try:
             for tokens in stream:
                 for token in tokens:
@@ -77,14 +76,10 @@ class ChatSession:
             tail = decoder.flush()
             out.content += tail
             yield tail
-            complete = True
-        except GeneratorExit:
-            complete = True                  # stopped by the reader: keep what came
-            raise
         finally:
             stream.close()
             out.finish_reason = stream.finish_reason
-            if complete or out.finish_reason == "abort":
+            if out.finish_reason != "error":     # stopped early ("abort"): what came is kept
                 self._record(text, out)
 
     def _record(self, text: str, out: Reply) -> None:

@@ -1,4 +1,5 @@
 """The DeepSeek V4 tokenizer: a Hugging Face fast BPE `tokenizer.json`, loaded without transformers."""
+import functools
 import json
 import re
 from importlib import resources
@@ -50,27 +51,21 @@ def load_tokenizer(model_dir=None) -> Tokenizer:
     return tokenizer
 
 
-_derived = {}
-
-
+@functools.cache  # a tokenizers.Tokenizer hashes and compares by identity: one entry per tokenizer object
 def _text_only(tokenizer):
     """(tokenizer without added tokens, regex of the added-token strings), built once per tokenizer."""
-    entry = _derived.get(id(tokenizer))
-    if entry is None or entry[0] is not tokenizer:
-        spec = json.loads(tokenizer.to_str())
-        spec["added_tokens"] = []
-        markers = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values()), key=len, reverse=True)
-        # Longest first, so at one position the longest marker wins, as the tokenizer's own matcher does.
-        entry = (tokenizer, Tokenizer.from_str(json.dumps(spec)), re.compile("|".join(map(re.escape, markers))))
-        _derived[id(tokenizer)] = entry
-    return entry
+    spec = json.loads(tokenizer.to_str())
+    spec["added_tokens"] = []
+    markers = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values()), key=len, reverse=True)
+    # Longest first, so at one position the longest marker wins, as the tokenizer's own matcher does.
+    return Tokenizer.from_str(json.dumps(spec)), re.compile("|".join(map(re.escape, markers)))
 
 
 def encode_plain(tokenizer, text) -> list[int]:
     """Ids of `text` read as ordinary text: a marker string such as `<｜User｜>` in it is not its control token."""
-    return _text_only(tokenizer)[1].encode(text, add_special_tokens=False).ids
+    return _text_only(tokenizer)[0].encode(text, add_special_tokens=False).ids
 
 
 def marker_pattern(tokenizer) -> re.Pattern:
     """Regex matching every added-token string of `tokenizer` (the strings it turns into control tokens)."""
-    return _text_only(tokenizer)[2]
+    return _text_only(tokenizer)[1]

@@ -5,6 +5,8 @@ import sys
 
 import click
 
+from .common import one_line
+
 
 class Commands(click.Group):
     def invoke(self, ctx):
@@ -18,12 +20,8 @@ class Commands(click.Group):
         except KeyboardInterrupt:
             click.echo("", err=True)
             sys.exit(130)
-        except MemoryError:
-            click.echo("error: out of host memory", err=True)
-            sys.exit(1)
-        except (ValueError, OSError, RuntimeError, KeyError) as e:
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            click.echo(f"error: {msg}", err=True)
+        except (MemoryError, ValueError, OSError, RuntimeError, KeyError) as e:
+            click.echo(f"error: {one_line(e)}", err=True)
             sys.exit(1)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-import time
 
 import click
 
@@ -35,31 +34,22 @@ def _gpu_arch() -> str:
 
 
 def _need_nvrtc() -> None:
+    from ..cuda.build import _nvrtc_version
     try:
-        from cuda.bindings import nvrtc
-        result = nvrtc.nvrtcVersion()
+        from cuda.bindings import nvrtc  # noqa: F401 (checked on every call: the version below is cached)
+        _nvrtc_version()
     except Exception as e:  # no cuda-bindings, or no NVRTC library for it to load
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RuntimeError(f"dsv4rt build needs NVRTC, from the CUDA extras: pip install -e '.[cu13]' "
                            f"('.[cu12]' on a CUDA 12 driver) ({reason})") from None
-    if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        raise RuntimeError(f"NVRTC does not load: {result[0]}")
 
 
-def _compile_each(arch: str) -> list:
-    """Every kernel file, with a progress line each on stderr: a first build takes minutes."""
-    from ..cuda.build import cache_dir, compile_module, instantiations, kernel_sources
-    sources = kernel_sources()
-    click.echo(f"building {len(sources)} kernel files for {arch} into {cache_dir()}", err=True)
-    built = []
-    for i, path in enumerate(sources, 1):
-        click.echo(f"[{i:{len(str(len(sources)))}d}/{len(sources)}] {path.name} ... ", nl=False, err=True)
-        t0 = time.perf_counter()
-        module = compile_module(path.stem, arch, instantiations(path.read_text()), src_dir=path.parent)
-        seconds = time.perf_counter() - t0
+def _progress(i: int, n: int, path, module=None, seconds: float = 0.0) -> None:
+    """build_all's progress, a line per kernel file on stderr: a first build takes minutes."""
+    if module is None:
+        click.echo(f"[{i:{len(str(n))}d}/{n}] {path.name} ... ", nl=False, err=True)
+    else:
         click.echo("cached" if module.cached else f"compiled in {seconds:.1f} s", err=True)
-        built.append((path.name, module, seconds))
-    return built
 
 
 @main.command()
@@ -70,11 +60,12 @@ def build(arch, as_json):
     if arch is not None and not re.fullmatch(r"sm_\d{2,3}[af]?", arch):
         raise ValueError(f"--arch must look like sm_90a, got '{arch}'")
     _need_nvrtc()
-    from ..cuda.build import KernelBuildError, cache_dir, ptxas_report
+    from ..cuda.build import KernelBuildError, build_all, cache_dir, kernel_sources, ptxas_report
     if arch is None:
         arch = _gpu_arch()
+    click.echo(f"building {len(kernel_sources())} kernel files for {arch} into {cache_dir()}", err=True)
     try:
-        built = _compile_each(arch)
+        built = build_all(arch, progress=_progress)
     except KernelBuildError as e:
         click.echo(f"\nerror: {e}", err=True)  # the whole NVRTC log: its file(line) entries are the point
         sys.exit(1)

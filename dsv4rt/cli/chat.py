@@ -1,6 +1,7 @@
 """`dsv4rt chat`: a terminal conversation with streamed tokens."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 import click
 
 from . import main
-from .common import DEVICES, resolve_device
+from .common import DEVICES, one_line, resolve_device
 from ..reference.sampling import SamplingParams
 
 HELP = """commands:
@@ -60,18 +61,11 @@ def _say(session, text: str) -> bool:
         if out.tokens:
             sys.stdout.write("\n")
         sys.stdout.flush()
-        click.echo(f"error: {_one_line(e)}", err=True)
+        click.echo(f"error: {one_line(e)}", err=True)
         return False
     sys.stdout.write("\n")
     sys.stdout.flush()
     return True
-
-
-def _one_line(e: BaseException) -> str:
-    if isinstance(e, MemoryError):
-        return "out of host memory"
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _command(session, line: str) -> bool:
@@ -99,9 +93,9 @@ def _command(session, line: str) -> bool:
             click.echo(f"/set: {key} must be {'an integer' if kind is int else 'a number'}, got '{value}'")
             return True
         try:
-            params = SamplingParams(**{**vars(session.params), key: parsed}).check()
+            params = dataclasses.replace(session.params, **{key: parsed}).check()
         except ValueError as e:
-            click.echo(f"/set: {_one_line(e)}")
+            click.echo(f"/set: {one_line(e)}")
             return True
         session.params = params
         click.echo(f"({key} = {getattr(session.params, key)})")

@@ -22,6 +22,14 @@ def resolve_device(name: str) -> str:
     return "cpu"
 
 
+def one_line(e: BaseException) -> str:
+    """An error as the one line a command prints after "error: "."""
+    if isinstance(e, MemoryError):
+        return "out of host memory"
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def option_name(field: str) -> str:
     """The command-line spelling of a SamplingParams field, for its error messages."""
     return "--" + field.replace("_", "-")

@@ -13,10 +13,7 @@ from ..reference.sampling import SamplingParams
 
 
 def _read_prompts(path: str) -> list[str]:
-    try:
-        data = read_regular(path, ValueError)
-    except ValueError as e:
-        raise ValueError(f"--prompts: {e}") from None
+    data = read_regular(path, lambda message: ValueError(f"--prompts: {message}"))
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:

@@ -15,10 +15,7 @@ from .common import DEVICES, resolve_device, save_npy_atomic
 
 
 def _read_ids(path: str) -> np.ndarray:
-    try:
-        data = read_regular(path, ValueError)
-    except ValueError as e:
-        raise ValueError(f"--ids: {e}") from None
+    data = read_regular(path, lambda message: ValueError(f"--ids: {message}"))
     try:
         ids = np.load(io.BytesIO(data), allow_pickle=False)
     except (OSError, ValueError, EOFError) as e:
@@ -35,8 +32,8 @@ def _parse_chunks(text: str | None, tokens: int) -> list[int] | None:
         chunks = [int(c) for c in text.split(",")]
     except ValueError:
         raise ValueError(f"--chunks must be comma-separated integers, got '{text}'") from None
-    if sum(chunks) != tokens or min(chunks) <= 0:
-        raise ValueError(f"--chunks: chunk sizes {chunks} must be positive and sum to the {tokens} tokens")
+    from ..reference.model import check_chunks
+    check_chunks(chunks, tokens, lambda message: ValueError(f"--chunks: {message}"))
     return chunks
 
 
@@ -53,14 +50,14 @@ def logits(model, ids_path, out, chunks, device, numerics, storage):
     """Write the logits of every position of a prompt, fed in the given chunks."""
     from ..config import ModelConfig
     from ..reference import default_numerics, load_model
+    from ..reference.model import check_ids
     # every option is checked before the weights are read
     ids = _read_ids(ids_path)
     chunk_sizes = _parse_chunks(chunks, len(ids))
     if not Path(out).resolve().parent.is_dir():
         raise ValueError(f"--out: folder {Path(out).parent} does not exist")
     cfg = ModelConfig.load(model)
-    if ids.min() < 0 or ids.max() >= cfg.vocab_size:
-        raise ValueError(f"--ids: token ids must lie in [0, {cfg.vocab_size}), got {ids.min()}..{ids.max()}")
+    check_ids(ids, cfg.vocab_size, lambda message: ValueError(f"--ids: {message}"))
     numerics = numerics or default_numerics(cfg)
     where = resolve_device(device)
     if where == "cpu":

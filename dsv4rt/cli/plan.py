@@ -3,6 +3,7 @@ GPU of a group holds and the cache tokens left room for (docs/parallel.md#memory
 from __future__ import annotations
 
 import json
+import math
 
 import click
 
@@ -32,7 +33,7 @@ def plan_cmd(model, context, batch, numerics, gpus, gpu_memory, workspace, as_js
         raise ValueError(f"--context must be positive, got {context}")
     if batch <= 0:
         raise ValueError(f"--batch must be positive, got {batch}")
-    if gpu_memory <= 0 or workspace < 0:
+    if not (math.isfinite(gpu_memory) and gpu_memory > 0 and math.isfinite(workspace) and workspace >= 0):
         raise ValueError(f"--gpu-memory must be positive and --workspace not negative, got {gpu_memory}, {workspace}")
     cfg = ModelConfig.load(model)
     g = group_plan(cfg, gpus, round(gpu_memory * GIB), round(workspace * GIB), numerics) if gpus is not None else {}

@@ -53,8 +53,7 @@ def serve(model, host, port, api_key, served_model_name, device, max_running, ma
     signal.signal(signal.SIGINT, stop)
     click.echo(f"dsv4rt serve: {model} as '{name}' on {device}, http://{host}:{port}/v1", err=True)
     web.run()
-    for request_id in engine.live_ids():        # past the grace period: abort what is left
-        engine.abort(request_id)
+    engine.loop.abort_all()                     # past the grace period: abort what is left
     if not web.started:
         raise click.ClickException(f"could not listen on {host}:{port}")
 

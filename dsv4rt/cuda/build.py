@@ -109,12 +109,20 @@ def compile_module(name: str, arch: str, name_expressions=(), defines=None, src_
     return Module(cubin, lowered, log, key, cached=False)
 
 
-def build_all(arch: str, src_dir=None) -> list[tuple[str, Module, float]]:
+def build_all(arch: str, src_dir=None, progress=None) -> list[tuple[str, Module, float]]:
+    """Every kernel file compiled or taken from the cache, as (file name, module, seconds). `progress`, if given,
+    hears of each file twice: progress(i, n, path) before it and progress(i, n, path, module, seconds) after."""
+    sources = kernel_sources(src_dir)
     out = []
-    for path in kernel_sources(src_dir):
+    for i, path in enumerate(sources, 1):
+        if progress is not None:
+            progress(i, len(sources), path)
         t0 = time.perf_counter()
         module = compile_module(path.stem, arch, instantiations(path.read_text()), src_dir=path.parent)
-        out.append((path.name, module, time.perf_counter() - t0))
+        seconds = time.perf_counter() - t0
+        if progress is not None:
+            progress(i, len(sources), path, module, seconds)
+        out.append((path.name, module, seconds))
     return out
 
 

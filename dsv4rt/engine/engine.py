@@ -130,9 +130,10 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One scheduled step; the outputs of the requests it finished."""
         with self.lock:
-            return self._step()
+            return [self.output(r) for r in self._step()]
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> list[Request]:
+        """One scheduled step (the caller holds the lock); the requests it finished."""
         step = self.scheduler.schedule()
         if not step:
             if self._live:
@@ -163,7 +164,7 @@ class Engine:
                 self.scheduler.finish(request, "stop" if token == EOS else "length")
                 self.runner.release(request.id)
                 del self._live[request.id]
-                finished.append(self.output(request))
+                finished.append(request)
         return finished
 
     def generate(self, prompts: str | Sequence[str | Sequence[int]],

@@ -13,7 +13,8 @@ The concurrency model:
 - Leaving a stream early aborts its request: `close()` (threads) returns once the pages are free,
   `cancel()` (asyncio, a client that disconnected) only asks the loop, which frees them between steps.
 - An exception in a step aborts every live request and ends each stream with that exception, raised
-  in its reader; the loop serves on.
+  in its reader; the loop serves on. `abort_all()` (a server past its grace period) ends them alike,
+  with "abort".
 The Engine's own methods (step, add_request, abort) take its lock, so calling them directly from
 other threads while the loop runs is safe too.
 """
@@ -162,8 +163,7 @@ class EngineLoop:
             for _, done in aborts:
                 if done is not None:
                     done.set()
-            with self.engine.lock:
-                self._fail(e)
+            self.abort_all(e)
             raise
 
     def _turn(self) -> bool:
@@ -185,10 +185,10 @@ class EngineLoop:
                     done.set()
             if engine.has_unfinished():
                 try:
-                    engine.step()
+                    engine._step()              # the outputs are the streams' to build: none here
                     self.steps += 1
                 except Exception as e:          # noqa: BLE001 - handed to every reader; the loop goes on
-                    self._fail(e)
+                    self.abort_all(e)
             self._publish()
         return True
 
@@ -205,9 +205,15 @@ class EngineLoop:
         for request_id in ended:
             del self._streams[request_id]
 
-    def _fail(self, error: Exception) -> None:
-        for request_id in list(self.engine.live_ids()):
-            self.engine.abort(request_id)
-        for stream in self._streams.values():
-            stream._put(("error", error))
-        self._streams.clear()
+    def abort_all(self, error: BaseException | None = None) -> None:
+        """Abort every live request and end every stream: with `error`, raised in its reader, or else with
+        the tokens it has not had and "abort". Any thread may call it (it takes the engine's lock)."""
+        with self.engine.lock:
+            for request_id in self.engine.live_ids():
+                self.engine.abort(request_id)
+            if error is None:
+                self._publish()
+                return
+            for stream in self._streams.values():
+                stream._put(("error", error))
+            self._streams.clear()

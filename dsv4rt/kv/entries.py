@@ -12,6 +12,19 @@ def packed_kv(dtype, fp8_kv: bool) -> bool:
     return fp8_kv and np.dtype(dtype).itemsize == 2
 
 
+def packed_kv_bytes(head_dim: int, rope_dim: int) -> int:
+    """Bytes of one packed fp8 main-cache entry (reference.layouts.encode_kv): e4m3 nope dims, bf16 rope dims, one
+    e8m0 scale per KV_BLOCK nope dims, padding to 8 B."""
+    nope = head_dim - rope_dim
+    return -(-(nope + 2 * rope_dim + -(-nope // KV_BLOCK)) // 8) * 8
+
+
+def fp4_key_bytes(dim: int) -> int:
+    """Bytes of one fp4 indexer key (reference.layouts.encode_indexer_key): e2m1 pairs, one e8m0 scale per
+    FP4_BLOCK values."""
+    return dim // 2 + -(-dim // FP4_BLOCK)
+
+
 def kv_entry_bytes(dtype, head_dim: int, rope_dim: int, fp8_kv: bool = False) -> int:
     """Bytes of one main-cache entry (window row or compressed entry) as the kernels store it; a cache's
     entries may lie further apart.
@@ -25,8 +38,7 @@ def kv_entry_bytes(dtype, head_dim: int, rope_dim: int, fp8_kv: bool = False) ->
     2e-3 error the reference does not make.)"""
     if not packed_kv(dtype, fp8_kv):
         return head_dim * np.dtype(dtype).itemsize
-    nope = head_dim - rope_dim
-    return -(-(nope + 2 * rope_dim + -(-nope // KV_BLOCK)) // 8) * 8
+    return packed_kv_bytes(head_dim, rope_dim)
 
 
 def indexer_entry_bytes(dtype, dim: int, fp4_keys: bool = False) -> int:
@@ -39,5 +51,5 @@ def indexer_entry_bytes(dtype, dim: int, fp4_keys: bool = False) -> int:
     the entry holds exactly reference.quant.indexer_round's values, and dequantising it is exact in float32 and
     in bf16, so the float32 build scores in exact float32 on the reference's values from the same 68 bytes."""
     if fp4_keys:
-        return dim // 2 + -(-dim // FP4_BLOCK)
+        return fp4_key_bytes(dim)
     return dim * np.dtype(dtype).itemsize

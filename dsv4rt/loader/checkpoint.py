@@ -1,14 +1,13 @@
 """A checkpoint folder: config.json plus one or more safetensors files, seen through official tensor names."""
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import numpy as np
 
 from ..config import ModelConfig
-from ..files import json_int, read_regular
+from ..files import load_json, read_regular
 from .formats import dequant_fp4, dequant_fp8, fp4_scale_shape, fp8_scale_shape
 from .names import expected_shapes, scale_name, to_official
 from .safetensors import CheckpointError, SafetensorsFile
@@ -188,7 +187,7 @@ def _index(root: Path) -> list[tuple[Path, list[str]]]:
     where = root / INDEX
     text = read_regular(where, CheckpointError)
     try:
-        index = json.loads(text.decode("utf-8"), parse_int=json_int)
+        index = load_json(text)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError, JSONDecodeError, json_int's
         raise CheckpointError(f"{where}: cannot read the index ({str(e).splitlines()[0]})") from None
     wmap = index.get("weight_map") if isinstance(index, dict) else None

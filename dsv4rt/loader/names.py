@@ -15,6 +15,10 @@ _TOP_TO_HF = {
 _TOP_TO_OFFICIAL = {hf.removeprefix("model."): off for off, hf in _TOP_TO_HF.items()} | {"lm_head.weight": "head.weight"}
 _HF_KV_NORM = re.compile(r"^layers\.(\d+)\.attn\.norm\.weight$")
 _KV_NORM = re.compile(r"^layers\.(\d+)\.attn\.kv_norm\.weight$")
+# the released checkpoints' storage (docs/formats.md#storage-formats); every other linear weight stays bf16
+_FP8 = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.ffn\.shared_experts\.w[123]\.weight$")
+_FP4 = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+_FP32 = ("ape", "attn_sink", "gate.bias")  # the rest of the float tensors are bf16, as released
 
 
 def to_official(name: str) -> str | None:
@@ -75,6 +79,17 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         for x in experts:
             out |= {x + "w1.weight": (F, D), x + "w2.weight": (D, F), x + "w3.weight": (F, D)}
     return out
+
+
+def _is_fp32(name: str) -> bool:
+    return name.endswith(_FP32) or name.split(".")[-1].startswith("hc_")
+
+
+def released_format(name: str) -> str:
+    """How the released checkpoints store an official tensor: fp8, fp4, bf16, fp32, or int32 (hash tables)."""
+    if name.endswith("tid2eid"):
+        return "int32"
+    return "fp8" if _FP8.search(name) else "fp4" if _FP4.search(name) else "fp32" if _is_fp32(name) else "bf16"
 
 
 def _compressor(c: str, r: int, width: int, hd: int, D: int) -> dict[str, tuple[int, ...]]:

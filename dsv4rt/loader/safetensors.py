@@ -6,7 +6,6 @@ makes a file a polyglot or hides a truncated rewrite, and every writer we know (
 released checkpoints) packs them without gaps, so a file with a gap is refused rather than half-read."""
 from __future__ import annotations
 
-import json
 import math
 import mmap
 import os
@@ -16,7 +15,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from ..files import json_int, open_regular
+from ..files import is_int, load_json, open_regular
 
 
 class CheckpointError(ValueError):
@@ -41,10 +40,6 @@ class TensorInfo:
     end: int
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _unique_keys(pairs):
     out = {}
     for k, v in pairs:
@@ -63,8 +58,7 @@ def parse_header(buf, where: str) -> tuple[dict[str, TensorInfo], int]:
     if n > size - 8:
         raise CheckpointError(f"{where}: header length {n} runs past the end of the {size}-byte file")
     try:
-        header = json.loads(bytes(buf[8:8 + n]).decode("utf-8"), object_pairs_hook=_unique_keys,
-                            parse_int=json_int)
+        header = load_json(bytes(buf[8:8 + n]), object_pairs_hook=_unique_keys)
     except CheckpointError as e:
         raise CheckpointError(f"{where}: {e}") from None
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError, JSONDecodeError, json_int's
@@ -98,9 +92,9 @@ def _entry(name: str, e, data_size: int, where: str) -> TensorInfo:
     dtype, shape, offs = (e[f] for f in _FIELDS)
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise bad(f"has unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
         raise bad(f"has invalid shape {shape!r} (need a list of non-negative integers)")
-    if not isinstance(offs, list) or len(offs) != 2 or not all(_is_int(o) for o in offs):
+    if not isinstance(offs, list) or len(offs) != 2 or not all(is_int(o) for o in offs):
         raise bad(f"has invalid data_offsets {offs!r} (need [begin, end])")
     begin, end = offs
     if end < begin:

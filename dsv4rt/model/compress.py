@@ -56,7 +56,7 @@ def compress_pool(device: Device, dtype, out: PagedCache, state: PagedCache, a: 
     roped at r·j and stored into `out` (storage dtype, `width` per entry). Rows at positions
     ≥ state_keep_from(length after this launch) are copied into `state`; those before the launch's
     first row are read from it and must be held there. fp8_kv (the main cache in faithful numerics, width at
-    most 512 and a multiple of 8): entries rounded and stored as model.attention.kv_entry_bytes describes.
+    most 512 and a multiple of 8): entries rounded and stored as kv.entries.kv_entry_bytes describes.
     fp4_keys (the indexer cache in faithful numerics): entries rotated, rounded and packed as indexer_entry_bytes
     describes, the same bytes in both builds.
     """

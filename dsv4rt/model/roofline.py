@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import CSA, HCA, ModelConfig
+from ..loader.names import expected_shapes
 
 
 def weight_bytes(cfg: ModelConfig, sizes: dict[str, int], batch: int) -> float:
@@ -42,31 +43,36 @@ def decode_bytes(cfg: ModelConfig, sizes: dict[str, int], batch: int, context: i
     return weight_bytes(cfg, sizes, batch) + batch * cache_bytes(cfg, context, element_bytes)
 
 
+def token_weights(cfg: ModelConfig) -> int:
+    """Elements of the weight matrices one token multiplies by, the head aside (the embedding, `ape` and `tid2eid`
+    are looked up by row): every matrix of expected_shapes, the routed experts as the n_active of n_experts it picks."""
+    dense = routed = 0
+    for name, shape in expected_shapes(cfg).items():
+        if len(shape) == 2 and not name.endswith(("embed.weight", "head.weight", "ape", "tid2eid")):
+            if ".experts." in name:
+                routed += shape[0] * shape[1]
+            else:
+                dense += shape[0] * shape[1]
+    return dense + routed * cfg.n_active // cfg.n_experts   # exact: every expert has the same size
+
+
 def prefill_flops(cfg: ModelConfig, tokens: int, every_logit: bool = False) -> int:
     """FLOPs (2 a multiply-add) of prefilling `tokens` tokens from an empty cache, summed over positions:
     every product with a weight matrix (routed experts: the n_active a token picks), attention (QK and PV
     over the keys each query sees) and the indexer's scores. Norms, RoPE, softmaxes, the compressors'
     pooling and the hyper-connections' stream mixing (O(hc²·D) a token) are left out. The head runs on the
     last position only, as a prefill does, unless `every_logit`."""
-    D, H, hd, hc, ql = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.hc_mult, cfg.q_lora_rank
+    D, H, hd = cfg.hidden_size, cfg.num_heads, cfg.head_dim
     nI, dI = cfg.index_n_heads, cfg.index_head_dim
     pos = np.arange(tokens, dtype=np.int64)
     window = int(np.minimum(pos + 1, cfg.window).sum())
-    per_token = hc * hc * D                                       # hc_head
     keys = index_keys = 0
     for kind, r in zip(cfg.kinds, cfg.ratios):
-        per_token += (ql * D + H * hd * ql + hd * D               # wq_a, wq_b, wkv
-                      + cfg.o_lora_rank * H * hd + D * cfg.o_groups * cfg.o_lora_rank   # wo_a (grouped), wo_b
-                      + 2 * (2 + hc) * hc * hc * D                # hc_attn_fn, hc_ffn_fn
-                      + cfg.n_experts * D + (cfg.n_active + cfg.n_shared) * 3 * D * cfg.moe_inter)
         keys += window
         if r:
             visible = (pos + 1) // r
-            width = 2 if kind == CSA else 1                       # c4a pools overlapping windows
-            per_token += 2 * width * hd * D                       # compressor wkv, wgate
             keys += int((np.minimum(visible, cfg.index_topk) if kind == CSA else visible).sum())
         if kind == CSA:
-            per_token += nI * dI * ql + nI * D + 2 * 2 * dI * D   # indexer wq_b, weights_proj, its compressor
             index_keys += int(visible.sum())
     head = cfg.vocab_size * D * (tokens if every_logit else min(tokens, 1))
-    return 2 * (per_token * tokens + head + 2 * H * hd * keys + nI * dI * index_keys)
+    return 2 * (token_weights(cfg) * tokens + head + 2 * H * hd * keys + nI * dI * index_keys)

@@ -6,14 +6,15 @@ G·o_lora input columns, the routed experts [r·E/N, (r+1)·E/N) and the vocabul
 the embedding and the head. Everything else is replicated (the reasons are in docs/parallel.md)."""
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
 from ..config import ModelConfig
-from ..loader import expected_shapes
-from ..tiny import released_format
+from ..loader import expected_shapes, fp4_scale_shape, fp8_scale_shape, scale_name
+from ..loader.formats import FP4_BLOCK, FP8_BLOCK
+from ..loader.names import released_format
 
-FP8_BLOCK, FP4_BLOCK = 128, 32
 ELEMENT_BYTES = {"bf16": 2, "fp32": 4, "int32": 4}
 
 _EXPERT = re.compile(r"^layers\.\d+\.ffn\.experts\.(\d+)\.")
@@ -131,13 +132,11 @@ class Layout:
 
 def stored_bytes(fmt: str, shape: tuple[int, ...]) -> int:
     """Bytes of a tensor of logical `shape` stored as `fmt`, its e8m0 scales included."""
-    count = 1
-    for s in shape:
-        count *= s
+    count = math.prod(shape)
     if fmt == "fp8":
-        return count + -(-shape[0] // FP8_BLOCK) * -(-shape[1] // FP8_BLOCK)
+        return count + math.prod(fp8_scale_shape(shape))
     if fmt == "fp4":
-        return count // 2 + shape[0] * -(-shape[1] // FP4_BLOCK)
+        return count // 2 + math.prod(fp4_scale_shape(shape))
     return count * ELEMENT_BYTES[fmt]
 
 
@@ -152,7 +151,7 @@ def stored_slices(name: str, fmt: str, shape: tuple[int, ...], idx) -> dict[str,
     for what, (a, b), block, full in (("rows", (r0, r1), rows, shape[0]), ("columns", (c0, c1), cols, shape[1])):
         if a % block or (b % block and b != full):
             raise LayoutError(f"{name}: {what} {a}:{b} do not fall on the {block}-wide blocks of its {fmt} scales")
-    scale = name.removesuffix(".weight") + ".scale"
+    scale = scale_name(name)
     weight_cols = slice(c0, c1) if fmt == "fp8" else slice(c0 // 2, c1 // 2)
     return {name: (slice(r0, r1), weight_cols),
             scale: (slice(r0 // rows, -(-r1 // rows)), slice(c0 // cols, -(-c1 // cols)))}

@@ -76,13 +76,7 @@ class ShardedReference:
                           states[0].pos + np.arange(len(ids)), own)
         return np.concatenate(out) if self.split_tokens else out[0]
 
-    def logits_chunked(self, ids, chunks=None) -> np.ndarray:
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        states, out, at = self.new_state(), [], 0
-        for c in [len(ids)] if chunks is None else chunks:
-            out.append(self.forward(states, ids[at:at + c]))
-            at += c
-        return np.concatenate(out)
+    logits_chunked = Model.logits_chunked   # new_state and forward take and give this runner's list of states
 
     def _layer(self, i, X, states, ids, pos, own):
         eps, layers = self.cfg.eps, [m.layers[i] for m in self.ranks]

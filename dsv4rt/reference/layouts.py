@@ -10,19 +10,11 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from ..kv.entries import FP4_BLOCK as INDEX_BLOCK, KV_BLOCK
+from ..kv.entries import fp4_key_bytes as indexer_entry_bytes, packed_kv_bytes as kv_entry_bytes
 from .quant import E2M1_MAX, E4M3_MAX, pow2_scale, rotate, round_e2m1
 
-KV_BLOCK, INDEX_BLOCK = 64, 32
 _E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
-
-
-def kv_entry_bytes(head_dim: int, rope_dim: int) -> int:
-    nope = head_dim - rope_dim
-    return -(-(nope + 2 * rope_dim + -(-nope // KV_BLOCK)) // 8) * 8
-
-
-def indexer_entry_bytes(dim: int) -> int:
-    return dim // 2 + -(-dim // INDEX_BLOCK)
 
 
 def _scales(x: np.ndarray, block: int, floor: float, top: float) -> np.ndarray:

@@ -15,6 +15,18 @@ from .ops import Linear, Rope, rmsnorm
 from . import quant
 
 
+def check_ids(ids: np.ndarray, vocab: int, error=ValueError) -> None:
+    """`error(message)` unless every id of the non-empty `ids` is in [0, vocab)."""
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise error(f"token ids must lie in [0, {vocab}), got {ids.min()}..{ids.max()}")
+
+
+def check_chunks(chunks: list[int], n: int, error=ValueError) -> None:
+    """`error(message)` unless the chunk sizes are positive and sum to the `n` tokens."""
+    if sum(chunks) != n or any(c <= 0 for c in chunks):
+        raise error(f"chunk sizes {chunks} must be positive and sum to the {n} tokens")
+
+
 @dataclass(frozen=True)
 class Numerics:
     """Which of the official reference's roundings are on (docs/numerics.md)."""
@@ -127,8 +139,7 @@ class Model:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if len(ids) == 0:
             return np.zeros((0, self.cfg.vocab_size), np.float32)
-        if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
-            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}), got {ids.min()}..{ids.max()}")
+        check_ids(ids, self.cfg.vocab_size)
         X = self.embed_streams(ids)
         for i in range(len(self.layers)):
             if streams is not None:
@@ -143,8 +154,7 @@ class Model:
         """Logits of every position, the prompt fed in the given chunk sizes with the state carried."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         chunks = [len(ids)] if chunks is None else [int(c) for c in chunks]
-        if sum(chunks) != len(ids) or any(c <= 0 for c in chunks):
-            raise ValueError(f"chunk sizes {chunks} must be positive and sum to the {len(ids)} tokens")
+        check_chunks(chunks, len(ids))
         st, out, at = self.new_state(), [], 0
         for c in chunks:
             out.append(self.forward(st, ids[at:at + c]))

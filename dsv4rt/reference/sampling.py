@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..files import is_int
+
 
 @dataclass
 class SamplingParams:
@@ -35,7 +37,7 @@ class SamplingParams:
 
 
 def _integer(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+    return is_int(v) or isinstance(v, np.integer)
 
 
 def _number(v) -> bool:

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from ..chat import dsml
 from .generation import Outcome, deltas
 from .metrics import Metrics
 from .protocol import APIError, Job, chat_job, check_model, completion_job
@@ -59,11 +60,14 @@ def _sse(data: dict | str) -> bytes:
     return f"data: {text}\n\n".encode()
 
 
+def _failed(e: Exception) -> APIError:
+    return APIError(500, f"generation failed: {e or type(e).__name__}")
+
+
 def _chat_delta(event: dict) -> dict:
     if "tool_call" in event:
-        c = event["tool_call"]
-        return {"tool_calls": [{"index": c["index"], "id": c["id"], "type": "function",
-                                "function": {"name": c["name"], "arguments": c["arguments"]}}]}
+        call = event["tool_call"]
+        return {"tool_calls": [{"index": call["index"], **dsml.openai_call(call)}]}
     if "reasoning_content" in event:        # vLLM's clients read `reasoning`
         return {"reasoning_content": event["reasoning_content"], "reasoning": event["reasoning_content"]}
     return event
@@ -131,22 +135,23 @@ class Server:
         return PlainTextResponse("draining\n" if self.draining else "ok\n", 503 if self.draining else 200)
 
     async def scrape(self, request: Request) -> Response:
-        return PlainTextResponse(self.metrics.render(self.engine, self.engine.loop.waiting),
+        return PlainTextResponse(self.metrics.render(self.engine),
                                  media_type="text/plain; version=0.0.4")
 
     async def chat(self, request: Request) -> Response:
-        return await self._generate(request, CHAT, chat_job)
+        return await self._generate(request, CHAT)
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, COMPLETIONS, completion_job)
+        return await self._generate(request, COMPLETIONS)
 
-    async def _generate(self, request: Request, endpoint: str, make_job) -> Response:
+    async def _generate(self, request: Request, endpoint: str) -> Response:
         try:
             if self.draining:
                 raise APIError(503, "the server is shutting down")
             self._authorize(request)
             body = await self._json(request)
             check_model(body, self.name)
+            make_job = chat_job if endpoint == CHAT else completion_job
             job = make_job(body, self.engine.tokenizer, self.engine.max_len)
             if self.engine.loop.waiting >= self.max_waiting:
                 raise APIError(429, f"the queue is full ({self.max_waiting} requests waiting); retry later")
@@ -204,34 +209,27 @@ class Server:
                 yield _sse({**head, "choices": [], "usage": self._usage(job, out)})
         except Exception as e:                   # noqa: BLE001 - the stream has begun: the error goes in it
             self.metrics.finished["error"] += 1
-            yield _sse({"error": {"message": f"generation failed: {e or type(e).__name__}", "type": "server_error",
-                                  "param": None, "code": None}})
+            yield _sse(_failed(e).body())
         yield _sse("[DONE]")
 
     async def _collect(self, rid: str, job: Job, chat: bool, events, out: Outcome) -> JSONResponse:
-        parts: dict[str, list] = {"content": [], "reasoning_content": [], "tool_call": [], "text": []}
         try:
-            async for batch in events:
-                for event in batch:
-                    (kind, value), = event.items()
-                    parts[kind].append(value)
+            got = [event async for batch in events for event in batch]
         except Exception as e:                   # noqa: BLE001 - one request failed, the server goes on
             self.metrics.finished["error"] += 1
-            return JSONResponse({"error": {"message": f"generation failed: {e or type(e).__name__}",
-                                           "type": "server_error", "param": None, "code": None}}, 500)
+            return self._error(_failed(e))
         self.metrics.finished[out.finish_reason] += 1
         body = {**self._head(rid, chat), "object": "chat.completion" if chat else "text_completion",
                 "usage": self._usage(job, out)}
         if not chat:
-            body["choices"] = [{"index": 0, "text": "".join(parts["text"]), "logprobs": None,
+            body["choices"] = [{"index": 0, "text": "".join(e["text"] for e in got), "logprobs": None,
                                 "finish_reason": out.finish_reason}]
             return JSONResponse(body)
-        calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-                 for c in parts["tool_call"]]
-        content = "".join(parts["content"])
+        folded = dsml.fold(got)
+        content, calls = folded["content"], folded["tool_calls"]
         message = {"role": "assistant", "content": content if content or not calls else None}
         if job.thinking:
-            message["reasoning_content"] = message["reasoning"] = "".join(parts["reasoning_content"])
+            message["reasoning_content"] = message["reasoning"] = folded["reasoning_content"]
         if calls:
             message["tool_calls"] = calls
         body["choices"] = [{"index": 0, "message": message, "logprobs": None, "finish_reason": out.finish_reason}]

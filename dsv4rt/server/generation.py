@@ -3,7 +3,7 @@ calls from the DSML parser (dsv4rt/chat/dsml.py), the only place tools and reaso
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from ..chat import dsml
@@ -43,7 +43,6 @@ class Outcome:
     finish_reason: str | None = None
     completion_tokens: int = 0
     tool_calls: int = 0
-    deltas: list[dict] = field(default_factory=list)
 
 
 async def deltas(job: Job, stream: TokenStream, tokenizer, chat: bool, metrics: Metrics, arrived: float,

@@ -86,12 +86,17 @@ def drive(url: str, work: list[tuple[list[int], int]], api_key: str | None = Non
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(work)} requests failed; the first: {failed[0]}")
-    ttft = [times[0] - sent for sent, times, _ in results if times]
-    itl = np.concatenate([np.diff(times) for _, times, _ in results if len(times) > 1] or [np.zeros(0)])
     generated = sum(tokens for _, _, tokens in results)
     return dict(requests=len(work), prompt_tokens=sum(len(p) for p, _ in work), generated=generated, seconds=wall,
-                tokens_per_s=generated / wall, ttft_p50_ms=_ms(ttft, 50), ttft_p99_ms=_ms(ttft, 99),
-                itl_p50_ms=_ms(itl, 50), itl_p99_ms=_ms(itl, 99))
+                tokens_per_s=generated / wall, **latencies([(sent, times) for sent, times, _ in results]))
+
+
+def latencies(requests: list[tuple[float, list[float]]]) -> dict:
+    """p50 and p99 time to first token and inter-token latency, in ms, of (start, token arrival times) pairs;
+    the row's columns in `bench serve`, in process or over HTTP."""
+    ttft = [times[0] - start for start, times in requests if times]
+    itl = np.concatenate([np.diff(times) for _, times in requests if len(times) > 1] or [np.zeros(0)])
+    return dict(ttft_p50_ms=_ms(ttft, 50), ttft_p99_ms=_ms(ttft, 99), itl_p50_ms=_ms(itl, 50), itl_p99_ms=_ms(itl, 99))
 
 
 def _ms(values, q: float) -> float:

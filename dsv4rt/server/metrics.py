@@ -49,7 +49,7 @@ class Metrics:
         if n > 0:
             self.itl.observe(seconds / n, n)
 
-    def render(self, engine, waiting: int) -> str:
+    def render(self, engine) -> str:
         blocks = engine.scheduler.blocks
         a = blocks.allocator
         pages = [a.stats(c).used_pages for c in range(len(a.page_bytes))]
@@ -66,7 +66,7 @@ class Metrics:
                   "# TYPE dsv4rt_inter_token_latency_seconds histogram",
                   *self.itl.lines("dsv4rt_inter_token_latency_seconds"),
                   "# TYPE dsv4rt_requests_running gauge", f"dsv4rt_requests_running {len(engine.scheduler.running)}",
-                  "# TYPE dsv4rt_requests_waiting gauge", f"dsv4rt_requests_waiting {waiting}",
+                  "# TYPE dsv4rt_requests_waiting gauge", f"dsv4rt_requests_waiting {engine.loop.waiting}",
                   "# TYPE dsv4rt_kv_cache_used_pages gauge", f"dsv4rt_kv_cache_used_pages {sum(pages)}",
                   "# TYPE dsv4rt_kv_cache_used_bytes gauge", f"dsv4rt_kv_cache_used_bytes {used}",
                   "# TYPE dsv4rt_kv_cache_total_bytes gauge", f"dsv4rt_kv_cache_total_bytes {a.total_bytes}",
