@@ -27,7 +27,8 @@ sparse_attention(T* out, float* part_o, float2* part_ml, const T* q, const int* 
                  const char* win_base, const long long* win_pages, const int* win_start, int win_per_page,
                  int win_bytes, const char* cmp_base, const long long* cmp_pages, const int* cmp_start,
                  int cmp_per_page, int cmp_bytes,
-                 const int* selected, int top_k, int ratio, int window, int heads, int hd, int rd, float scale) {
+                 const int* selected, int top_k, int ratio, int window, int heads, int hd, int rd, float scale,
+                 const char* step_rows) {
     constexpr int V = kVec<T>, C = kLaneChunks<T>, TILE = kTileKeys<T>, HPW = kHeadsPerWarp;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* tiles = reinterpret_cast<T*>(smem_raw);  // [2][TILE][hd]
@@ -38,7 +39,7 @@ sparse_attention(T* out, float* part_o, float2* part_ml, const T* q, const int* 
 
     const Candidates cand = row_candidates(t, r, m, win_base, win_pages, win_start, win_per_page, win_bytes, cmp_base,
                                            cmp_pages, cmp_start, cmp_per_page, cmp_bytes, selected, top_k, ratio,
-                                           window);
+                                           window, step_rows, req);
     const int2 span = split_share(cand.count, TILE);
     const int k_begin = span.x, k_end = span.y;
     const int n_tiles = (k_end - k_begin + TILE - 1) / TILE;

@@ -9,6 +9,8 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 // The candidate keys of one query row at position m of request r, in the order window, compressed:
 // window entries lo .. m, then compressed entries 0 .. visible-1 (selected == nullptr) or the row's
 // top_k indexer choices (entries < 0 or not yet visible are absent). Pages not held are absent too.
+// A window entry that is a row of the same request in this step (its rows are contiguous, at consecutive
+// positions) comes from step_base (qkv.cu's step_rows) instead: a step of any length holds its own keys.
 struct Candidates {
     const char* win_base;
     const long long* win_pages;
@@ -17,12 +19,18 @@ struct Candidates {
     const long long* cmp_pages;
     int cmp_per_page, cmp_bytes;
     const int* selected;
-    int lo, n_window, visible, count;
+    const char* step_base;
+    const int* req;
+    int t, r, lo, n_window, visible, count;
 
     __device__ __forceinline__ const char* entry(int k) const {
         const char* base = win_base;
         const long long* pages = win_pages;
         int per_page = win_per_page, bytes = win_bytes, e = lo + k;
+        if (k < n_window && step_base) {
+            const int row = t - (n_window - 1 - k);
+            if (row >= 0 && req[row] == r) return step_base + static_cast<long long>(row) * win_bytes;
+        }
         if (k >= n_window) {
             e = selected ? selected[k - n_window] : k - n_window;
             if (e < 0 || e >= visible) return nullptr;
@@ -37,9 +45,10 @@ struct Candidates {
 __device__ __forceinline__ Candidates row_candidates(
         int t, int r, int m, const char* win_base, const long long* win_pages, const int* win_start,
         int win_per_page, int win_bytes, const char* cmp_base, const long long* cmp_pages, const int* cmp_start,
-        int cmp_per_page, int cmp_bytes, const int* selected, int top_k, int ratio, int window) {
+        int cmp_per_page, int cmp_bytes, const int* selected, int top_k, int ratio, int window,
+        const char* step_base, const int* req) {
     Candidates c{win_base, nullptr, win_per_page, win_bytes, cmp_base, nullptr, cmp_per_page, cmp_bytes,
-                 nullptr, 0, 0, 0, 0};
+                 nullptr, step_base, req, t, r, 0, 0, 0, 0};
     if (r < 0) return c;
     c.win_pages = win_pages + win_start[r];
     c.lo = max(0, m - window + 1);

@@ -31,7 +31,8 @@ sparse_attention_mqa(T* out, float* part_o, float2* part_ml, const T* q, const i
                      const char* win_base, const long long* win_pages, const int* win_start, int win_per_page,
                      int win_bytes, const char* cmp_base, const long long* cmp_pages, const int* cmp_start,
                      int cmp_per_page, int cmp_bytes,
-                     const int* selected, int top_k, int ratio, int window, int heads, int hd, int rd, float scale) {
+                     const int* selected, int top_k, int ratio, int window, int heads, int hd, int rd, float scale,
+                     const char* step_rows) {
     static_assert(sizeof(T) == 2, "bf16 operands");
     constexpr int TILE = kMqaKeys, NT = TILE / 8, KS = TILE / 16, SL = kMqaSlices;
     static_assert(TILE * 8 == kMqaWarps * 32, "eight copying threads per key");
@@ -46,7 +47,7 @@ sparse_attention_mqa(T* out, float* part_o, float2* part_ml, const T* q, const i
     const int t = blockIdx.x, h0 = blockIdx.y * kMqaHeads, m = positions[t];
     const Candidates cand = row_candidates(t, req[t], m, win_base, win_pages, win_start, win_per_page, win_bytes,
                                            cmp_base, cmp_pages, cmp_start, cmp_per_page, cmp_bytes, selected, top_k,
-                                           ratio, window);
+                                           ratio, window, step_rows, req);
     const int2 span = split_share(cand.count, TILE);
     const int k_begin = span.x, k_end = span.y, n_tiles = (k_end - k_begin + TILE - 1) / TILE;
     const int block_heads = min(kMqaHeads, heads - h0), chunks = hd / 8;

@@ -125,11 +125,12 @@ def prefill(model_dir, lengths: list[int], ceiling_tflops: float) -> list[dict]:
             t0 = time.perf_counter()
             m.forward(ids, last_only=True)
             s = time.perf_counter() - t0
-            rows.append(prefill_row(m.cfg, T, s, ceiling_tflops, f"chunks of {m.max_chunk}"))
+            rows.append(prefill_row(m.cfg, T, s, ceiling_tflops, f"steps of {m.rows}"))
     return rows
 
 
-def serve(model_dir, n: int, prompt_len: list[int], output_len: list[int], max_running: int, seed: int) -> dict:
+def serve(model_dir, n: int, prompt_len: list[int], output_len: list[int], max_running: int, max_batched_tokens: int,
+          seed: int) -> dict:
     from .engine import Engine
     from .reference.sampling import SamplingParams
     from .server.load import latencies, workload
@@ -137,7 +138,7 @@ def serve(model_dir, n: int, prompt_len: list[int], output_len: list[int], max_r
     hi, out_hi = prompt_len[1], output_len[1]
     kv = _kv_bytes(model_dir, hi + out_hi, min(n, max_running))
     e = Engine(model_dir, "cuda", kv_bytes=kv, max_running=max_running, max_len=hi + out_hi + 8,
-               token_budget=max(512, max_running))
+               max_batched_tokens=max_batched_tokens)
     e.warm_up()
     t0 = time.perf_counter()
     ids = [e.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=k)) for prompt, k in work]

@@ -171,7 +171,7 @@ def test_interactive_chat_on_a_terminal_gives_the_engine_tokens(tiny):
 def test_chat_on_the_gpu_gives_the_gpu_engine_tokens(tiny):
     """The chat's GPU engine steps in the engine loop's thread: the same tokens as its own generate."""
     from dsv4rt.cli.chat import _engine
-    engine = _engine(Path(tiny), "cuda", None)
+    engine = _engine(Path(tiny), "cuda", None, 8192)
     session = ChatSession(engine, SAMPLED)
     ids = session.prompt_ids([{"role": "user", "content": "Hello"}])
     text = "".join(session.reply("Hello", Reply()))

@@ -116,7 +116,7 @@ def test_preemption_recomputes_exactly(tiny):
     params = SamplingParams(temperature=0, max_new_tokens=12)
     alone = Engine(tiny)
     expected = [alone.generate([p], params)[0].token_ids for p in prompts]
-    cramped = Engine(tiny, kv_bytes=6 * SLAB, slab_bytes=SLAB, token_budget=16)
+    cramped = Engine(tiny, kv_bytes=6 * SLAB, slab_bytes=SLAB, max_batched_tokens=16)
     outputs = cramped.generate(prompts, params)
     assert cramped.scheduler.preemptions > 0
     assert [o.token_ids for o in outputs] == expected
@@ -196,7 +196,7 @@ class RandomRunner:
 
 def test_soak_random_requests_and_aborts(tiny):
     rng = np.random.default_rng(1)
-    e = Engine(tiny, kv_bytes=16 * SLAB, slab_bytes=SLAB, token_budget=64, max_running=16)
+    e = Engine(tiny, kv_bytes=16 * SLAB, slab_bytes=SLAB, max_batched_tokens=64, max_running=16)
     e.runner = RandomRunner(e.scheduler, seed=2)
     shared = rng.integers(2, 1000, 300)
     _, aborted = soak(e, rng, 200, shared, arrivals=4, max_new=21, shared_share=0.5, vocab=1000)
@@ -284,7 +284,7 @@ def test_gpu_runner_uploads_each_rows_token_position_slot_and_sampling(tiny):
     token is next_token of the request's previous token, position, seed and tokens generated so far,
     and the page tables a launch reads show the pages of its rows' requests."""
     rng = np.random.default_rng(6)
-    e = host_gpu_engine(tiny, kv_bytes=16 * SLAB, slab_bytes=SLAB, token_budget=48, max_running=12)
+    e = host_gpu_engine(tiny, kv_bytes=16 * SLAB, slab_bytes=SLAB, max_batched_tokens=48, max_running=12)
     e.runner.model.check_tables = e.runner
     requests, aborted = soak(e, rng, 150, rng.integers(2, 1000, 300), arrivals=4, max_new=40, shared_share=0.3,
                              vocab=1000)
@@ -390,7 +390,7 @@ def test_a_prefix_hit_gives_the_logits_of_a_cold_run(tiny):
     rng = np.random.default_rng(3)
     base = rng.integers(2, 120000, 700).tolist()
     one = SamplingParams(temperature=0, max_new_tokens=1)
-    e = Engine(tiny)
+    e = Engine(tiny, max_batched_tokens=256)
     e.generate([base], one)
     assert len(e.prefix) == 2 and e.prefix.stats.hits == 0       # the states at 256 and 512
     e.runner.model = recording = Recording(e.model)
@@ -403,6 +403,24 @@ def test_a_prefix_hit_gives_the_logits_of_a_cold_run(tiny):
         hit = np.stack([recording.rows[p] for p in range(start, len(prompt))])
         assert rel_rows(hit, e.model.logits_chunked(prompt)[start:]).max() <= 1e-5
     assert (e.prefix.stats.hits, e.prefix.stats.blocks_reused, e.prefix.stats.tokens_skipped) == (5, 8, 8 * 256)
+
+
+def test_a_chunk_ends_at_the_last_block_boundary_it_crosses_and_the_cache_keeps_that_one(tiny):
+    """Steps of any size: a 700-token prompt runs as 512 + 188 tokens, snapshotted at 512 only; the next turn of
+    that history resumes there."""
+    rng = np.random.default_rng(5)
+    base = rng.integers(2, 120000, 700).tolist()
+    one = SamplingParams(temperature=0, max_new_tokens=1)
+    e = Engine(tiny)
+    e.runner.model = recording = Recording(e.model)
+    steps = []
+    run = e.runner.run
+    e.runner.run = lambda step: steps.append([n for _, n in step]) or run(step)
+    e.generate([base], one)
+    assert steps == [[512], [188]] and len(e.prefix) == 1
+    recording.rows.clear()
+    e.generate([base + [7, 8, 9]], one)
+    assert sorted(recording.rows) == list(range(512, 703)) and e.prefix.stats.hits == 1
 
 
 def test_greedy_generations_are_the_same_with_the_prefix_cache(tiny):

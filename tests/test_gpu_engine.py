@@ -19,7 +19,7 @@ def tiny(tmp_path_factory):
 
 
 def gpu_engine(rt, model, **kw):
-    kw = dict(dict(kv_bytes=64 << 20, max_len=4096, token_budget=256, max_running=16), **kw)
+    kw = dict(dict(kv_bytes=64 << 20, max_len=4096, max_batched_tokens=256, max_running=16), **kw)
     return Engine(model, "cuda", runtime=rt, **kw)
 
 
@@ -68,7 +68,7 @@ def test_a_prefix_hit_gives_the_logits_of_a_cold_run(rt, tiny):
 
 def test_soak_of_2000_requests_with_aborts_returns_every_page(rt, tiny):
     rng = np.random.default_rng(1)
-    e = gpu_engine(rt, tiny, kv_bytes=24 * SLAB, slab_bytes=SLAB, max_running=32, token_budget=192)
+    e = gpu_engine(rt, tiny, kv_bytes=24 * SLAB, slab_bytes=SLAB, max_running=32, max_batched_tokens=192)
     shared = rng.integers(2, 120000, 599)
     _, aborted = soak(e, rng, 2000, shared, arrivals=12, max_new=24, shared_share=0.3, vocab=120000)
     a = e.scheduler.blocks.allocator

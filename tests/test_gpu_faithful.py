@@ -252,7 +252,7 @@ def test_float32_engine_generates_what_the_cpu_engine_does_on_tiny_a(rt):
     batch = prompts(0, (1, 3, 15, 16, 17, 40, 100, 160), 512)
     cpu = Engine(TINY_A, numerics="faithful").generate(batch, SamplingParams(**GREEDY))
     gpu_engine = Engine(TINY_A, "cuda", numerics="faithful", dtype="float32", runtime=rt, kv_bytes=64 << 20,
-                        max_len=1024, token_budget=64, max_running=8)
+                        max_len=1024, max_batched_tokens=64, max_running=8)
     assert gpu_engine.runner.model.numerics == "faithful"
     gpu_out = gpu_engine.generate(batch, SamplingParams(**GREEDY))
     assert [o.token_ids for o in gpu_out] == [o.token_ids for o in cpu]
@@ -266,7 +266,7 @@ def test_a_faithful_prefix_hit_gives_the_logits_of_a_cold_run(rt):
     from dsv4rt.engine import Engine
     from dsv4rt.reference.sampling import SamplingParams
     one = SamplingParams(temperature=0, max_new_tokens=1)
-    kw = dict(numerics="faithful", dtype="float32", runtime=rt, kv_bytes=64 << 20, max_len=1024, token_budget=64,
+    kw = dict(numerics="faithful", dtype="float32", runtime=rt, kv_bytes=64 << 20, max_len=1024, max_batched_tokens=64,
               max_running=4)
     warm, cold = Engine(TINY_A, "cuda", **kw), Engine(TINY_A, "cuda", prefix_cache_bytes=0, **kw)
     warm.runner.keep_logits = cold.runner.keep_logits = True
@@ -293,7 +293,7 @@ def test_bf16_engine_serves_the_released_format(rt, cases):
     from dsv4rt.reference.sampling import SamplingParams
     case = cases["official"]
     batch = prompts(1, (7, 30, 2, 130, 11), 120000)
-    engines = {g: Engine(case.path, "cuda", runtime=rt, kv_bytes=64 << 20, max_len=1024, token_budget=256,
+    engines = {g: Engine(case.path, "cuda", runtime=rt, kv_bytes=64 << 20, max_len=1024, max_batched_tokens=256,
                          max_running=8, graphs=g) for g in (True, False)}
     outs = {g: e.generate(batch, SamplingParams(**GREEDY)) for g, e in engines.items()}
     assert engines[True].runner.model.numerics == "faithful"

@@ -8,6 +8,7 @@ import os
 
 import click
 from . import main
+from .common import max_batched_tokens_option
 
 # A kernel's device-to-device copy on the H200, read plus write (the device tool's KINDS.md; a driver
 # memcpy runs on the copy engines and is slower). Pass --copy-gbps to use another measurement.
@@ -113,9 +114,11 @@ def prefill(model_dir, tokens, json_path):
 @click.option("--prompt-len", default="64,2048", show_default=True, callback=_span, help="min,max prompt tokens")
 @click.option("--output-len", default="16,256", show_default=True, callback=_span, help="min,max new tokens")
 @click.option("--max-running", default=64, show_default=True, type=click.IntRange(min=1))
+@max_batched_tokens_option
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2 ** 32 - 1))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
-def serve(model_dir, url, api_key, against, requests, prompt_len, output_len, max_running, seed, json_path):
+def serve(model_dir, url, api_key, against, requests, prompt_len, output_len, max_running, max_batched_tokens, seed,
+          json_path):
     """N requests of random lengths, all arriving at once, served to completion by the engine in this
     process (--model) or by a running server over HTTP (--url); the same requests either way."""
     if (model_dir is None) == (url is None):
@@ -129,6 +132,7 @@ def serve(model_dir, url, api_key, against, requests, prompt_len, output_len, ma
         row = dict(where=url, **drive(url, workload(requests, prompt_len, output_len, seed), api_key))
     else:
         from .. import benchmarks
-        row = dict(where="in process", **benchmarks.serve(model_dir, requests, prompt_len, output_len, max_running, seed))
+        row = dict(where="in process", **benchmarks.serve(model_dir, requests, prompt_len, output_len, max_running,
+                                                           max_batched_tokens, seed))
     _table(rows + [row], list(row))
     _write(json_path, dict(kind="serve", rows=[row]))

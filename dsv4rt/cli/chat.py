@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from . import main
-from .common import DEVICES, one_line, resolve_device
+from .common import DEVICES, max_batched_tokens_option, one_line, resolve_device
 from ..reference.sampling import SamplingParams
 
 HELP = """commands:
@@ -106,11 +106,12 @@ def _command(session, line: str) -> bool:
     return True
 
 
-def _engine(path: Path, device: str, numerics: str | None):
+def _engine(path: Path, device: str, numerics: str | None, max_batched_tokens: int):
     from ..engine import Engine
     if device == "cuda":
-        return Engine(path, "cuda", kv_bytes=CHAT_KV_BYTES, max_running=1, max_len=CHAT_MAX_LEN, numerics=numerics)
-    return Engine(path, "cpu", max_len=CHAT_MAX_LEN, numerics=numerics)
+        return Engine(path, "cuda", kv_bytes=CHAT_KV_BYTES, max_running=1, max_len=CHAT_MAX_LEN, numerics=numerics,
+                      max_batched_tokens=max_batched_tokens)
+    return Engine(path, "cpu", max_len=CHAT_MAX_LEN, numerics=numerics, max_batched_tokens=max_batched_tokens)
 
 
 @main.command()
@@ -125,13 +126,15 @@ def _engine(path: Path, device: str, numerics: str | None):
 @click.option("--thinking", is_flag=True, help="thinking mode: the model reasons before answering")
 @click.option("--device", type=click.Choice(DEVICES), default="auto")
 @click.option("--numerics", type=click.Choice(["exact", "faithful"]), help="default: faithful for fp8 checkpoints")
-def chat(model, prompt, system, temperature, top_p, top_k, seed, max_new_tokens, thinking, device, numerics):
+@max_batched_tokens_option
+def chat(model, prompt, system, temperature, top_p, top_k, seed, max_new_tokens, thinking, device, numerics,
+         max_batched_tokens):
     """Talk to MODEL (default: the built-in demo model)."""
     from ..chat.session import ChatSession
     params = SamplingParams(temperature, top_p, top_k, max_new_tokens, seed).check()
     path = Path(model) if model else _ensure_demo()
     device = resolve_device(device)
-    session = ChatSession(_engine(path, device, numerics), params, thinking, system)
+    session = ChatSession(_engine(path, device, numerics, max_batched_tokens), params, thinking, system)
     # The demo's weights are random: its replies are noise, which a newcomer should hear every time.
     random = " (the demo model: random weights, its replies are noise)" if model is None else ""
     if prompt is not None:

@@ -5,9 +5,15 @@ import os
 import tempfile
 from pathlib import Path
 
+import click
 import numpy as np
 
 DEVICES = ("auto", "cpu", "cuda")
+
+# the engine's step size, on every command that runs one
+max_batched_tokens_option = click.option(
+    "--max-batched-tokens", default=8192, show_default=True, type=click.IntRange(1),
+    help="tokens of one step, decode rows and prefill chunks together (one prompt's chunk may take all)")
 
 
 def resolve_device(name: str) -> str:

@@ -8,7 +8,7 @@ import click
 
 from . import main
 from ..files import read_regular
-from .common import DEVICES, option_name, resolve_device
+from .common import DEVICES, max_batched_tokens_option, option_name, resolve_device
 from ..reference.sampling import SamplingParams
 
 
@@ -38,8 +38,9 @@ def _read_prompts(path: str) -> list[str]:
 @click.option("--device", type=click.Choice(DEVICES), default="auto", help="auto: the GPU when one is visible")
 @click.option("--numerics", type=click.Choice(["exact", "faithful"]), help="default: faithful for fp8 checkpoints")
 @click.option("--no-prefix-cache", is_flag=True, help="compute every prompt from its first token")
+@max_batched_tokens_option
 def generate(model, prompts_path, max_new_tokens, temperature, top_p, top_k, seed, chat, as_json, stats, device,
-             numerics, no_prefix_cache):
+             numerics, no_prefix_cache, max_batched_tokens):
     """Complete every prompt of a file, batched by the serving engine."""
     from ..chat import encode_prompt_ids
     from ..engine import Engine
@@ -47,7 +48,7 @@ def generate(model, prompts_path, max_new_tokens, temperature, top_p, top_k, see
     prompts = _read_prompts(prompts_path)
     device = resolve_device(device)
     off = {"prefix_cache_blocks": 0, "prefix_cache_bytes": 0} if no_prefix_cache else {}
-    engine = Engine(model, device, numerics=numerics, **off)
+    engine = Engine(model, device, numerics=numerics, max_batched_tokens=max_batched_tokens, **off)
     # a typed marker such as <｜Assistant｜> stays text in a chat-wrapped prompt
     inputs = [encode_prompt_ids(engine.tokenizer, [{"role": "user", "content": p}]) for p in prompts] if chat \
         else prompts

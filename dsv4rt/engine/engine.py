@@ -36,29 +36,29 @@ class RequestOutput:
 
 
 class Engine:
-    def __init__(self, model_dir, device: str = "cpu", kv_bytes: int = 1 << 30, token_budget: int = 512,
+    def __init__(self, model_dir, device: str = "cpu", kv_bytes: int = 1 << 30, max_batched_tokens: int = 8192,
                  max_running: int = 64, numerics: str | None = None, slab_bytes: int = DEFAULT_SLAB_BYTES,
                  prefix_cache_blocks: int = 256, *, dtype: str = "bf16", max_len: int = 65536,
                  graphs: bool = True, runtime=None, prefix_cache_bytes: int = 1 << 30):
         """device "cuda": the GPU runner, `dtype` bf16 (or float32, to check it against the reference),
         requests up to max_len positions, decode CUDA graphs unless graphs=False. numerics exact or faithful
         (docs/numerics.md#modes), on either device; by default faithful for checkpoints stored in fp8/fp4.
-        prefix_cache_blocks (cpu) or prefix_cache_bytes (cuda) bound the prefix cache; 0 turns it off."""
+        prefix_cache_blocks (cpu) or prefix_cache_bytes (cuda) bound the prefix cache; 0 turns it off.
+        max_batched_tokens: the tokens of one step, decode rows and prefill chunks together; one request's
+        chunk may take all of it."""
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got '{device}'")
         self.device = device
         self.tokenizer = load_tokenizer(model_dir)
         self.max_len = max_len
-        chunk = token_budget
         if device == "cuda":
             from ..cuda.driver import gpu_visible
             if not gpu_visible():
                 raise ValueError("device 'cuda' was asked for, but no NVIDIA GPU is visible")
             from .gpu_runner import GpuRunner
-            self.runner = GpuRunner.build(model_dir, dtype, kv_bytes, max_running, token_budget, max_len, graphs,
+            self.runner = GpuRunner.build(model_dir, dtype, kv_bytes, max_running, max_batched_tokens, max_len, graphs,
                                           runtime, numerics, slab_bytes)
             self.cfg, blocks = self.runner.model.cfg, self.runner.model.blocks
-            chunk = self.runner.model.max_chunk
             capacity, size = prefix_cache_bytes, lambda snapshot: snapshot.nbytes
         else:
             self.model = load_model(model_dir, numerics)
@@ -69,7 +69,7 @@ class Engine:
             self.runner = CpuRunner(self.model)
             capacity, size = prefix_cache_blocks, lambda snapshot: 1
         self.prefix = PrefixCache(capacity, size, self.runner.discard) if capacity else None
-        self.scheduler = Scheduler(blocks, token_budget, max_running, self.prefix, max_chunk=chunk)
+        self.scheduler = Scheduler(blocks, max_batched_tokens, max_running, self.prefix)
         self._live: dict[Hashable, Request] = {}
         self._ids = itertools.count()
         self.lock = threading.RLock()

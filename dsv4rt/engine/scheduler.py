@@ -14,8 +14,9 @@ prompt + generated tokens later. The oldest request thus always progresses, and 
 rejects requests that would not fit in the empty cache, every request eventually completes.
 
 With a prefix cache, a request is admitted at the longest cached block boundary of its tokens (at least
-one token is left to compute, for its logits), and every chunk ends at the first block boundary it
-reaches: the runner snapshots a request's state at step ends only, and each block should get one.
+one token is left to compute, for its logits), and a chunk that crosses block boundaries ends at the
+last of them: the runner snapshots a request's state at step ends only, so the cache keeps the furthest
+boundary each chunk reaches (the whole history, for the next turn of a chat).
 """
 from __future__ import annotations
 
@@ -31,14 +32,11 @@ Step = list[tuple[Request, int]]
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, token_budget: int, max_running: int, prefix: PrefixCache | None = None,
-                 max_chunk: int | None = None):
-        """max_chunk: most tokens of one request in a step (the GPU forward's window − 1)."""
+    def __init__(self, blocks: BlockManager, token_budget: int, max_running: int, prefix: PrefixCache | None = None):
         if token_budget < 1 or max_running < 1:
             raise ValueError(f"token_budget ({token_budget}) and max_running ({max_running}) must be >= 1")
         self.blocks, self.token_budget, self.max_running = blocks, token_budget, max_running
         self.prefix = prefix
-        self.max_chunk = max_chunk or token_budget
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
@@ -49,7 +47,7 @@ class Scheduler:
 
     def check(self, request: Request) -> None:
         """Refuse a request that would not fit even in the empty cache (reads nothing that changes)."""
-        if not self.blocks.fits_ever(request.max_len, min(self.token_budget, self.max_chunk)):
+        if not self.blocks.fits_ever(request.max_len, self.token_budget):
             raise ValueError(
                 f"request {request.id!r} can never fit: {len(request.prompt)} prompt + {request.params.max_new_tokens} "
                 f"new tokens need more than the whole KV cache ({self.blocks.allocator.total_bytes} B); "
@@ -143,9 +141,11 @@ class Scheduler:
         self.preemptions += 1
 
     def _chunk(self, computed: int, num_tokens: int, budget: int) -> int:
-        n = min(num_tokens - computed, budget, self.max_chunk)
+        n = min(num_tokens - computed, budget)
         if self.prefix is not None:
-            n = min(n, BLOCK_POSITIONS - computed % BLOCK_POSITIONS)
+            boundary = (computed + n) // BLOCK_POSITIONS * BLOCK_POSITIONS
+            if boundary > computed:
+                n = boundary - computed
         return n
 
     def _admit(self, r: Request, budget: int) -> int:

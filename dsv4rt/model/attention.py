@@ -46,18 +46,19 @@ def _check_shape(dtype, head_dim: int, rope_dim: int, caches, pointers, fp8_kv: 
 
 def qkv_norm_rope_insert(device: Device, dtype, q: int, kv: int, kv_norm_weight: int, positions: int, req: int,
                          inv_freq: int, window: PagedCache, *, rows: int, heads: int, head_dim: int, rope_dim: int,
-                         eps: float, fp8_kv: bool = False) -> Launch:
+                         eps: float, fp8_kv: bool = False, step_kv: int = 0) -> Launch:
     """Fusion 3: q [rows, heads, hd] in place gets the weightless head RMSNorm and RoPE; kv [rows, hd]
     gets RMSNorm (float32 weight [hd]) and RoPE and is stored at window entry positions[t] of request req[t]
+    where its page is held, and at row t of `step_kv` ([rows] entries of window.entry_bytes) when given
     (fp8_kv: rounded and stored as kv_entry_bytes describes). Rows with req < 0 are left alone. One warp per
     query head and per kv row."""
-    _check_shape(dtype, head_dim, rope_dim, [window], [q, kv, kv_norm_weight, window.base], fp8_kv)
+    _check_shape(dtype, head_dim, rope_dim, [window], [q, kv, kv_norm_weight, window.base, step_kv], fp8_kv)
     t = storage_name(dtype)
     k = device.kernel("qkv", f"qkv_norm_rope_insert<{t}{',true' if fp8_kv else ''}>", _QKV)
     warps = rows * (heads + 1)
     args = [ctypes.c_void_p(q), ctypes.c_void_p(kv), ctypes.c_void_p(kv_norm_weight), ctypes.c_void_p(positions),
             ctypes.c_void_p(req), ctypes.c_void_p(inv_freq), *window.args(), ctypes.c_int(rows), ctypes.c_int(heads),
-            ctypes.c_int(head_dim), ctypes.c_int(rope_dim), ctypes.c_float(eps)]
+            ctypes.c_int(head_dim), ctypes.c_int(rope_dim), ctypes.c_float(eps), ctypes.c_void_p(step_kv)]
     return k.bind(max(1, -(-warps // QKV_WARPS)), QKV_WARPS * 32, args)
 
 
@@ -89,35 +90,37 @@ def attention_workspace_bytes(rows: int, heads: int, head_dim: int, splits: int)
 def sparse_attention(device: Device, dtype, out: int, q: int, positions: int, req: int, sink: int, inv_freq: int,
                      window: PagedCache, compressed: PagedCache | None = None, selected: int | None = None, *,
                      rows: int, heads: int, head_dim: int, rope_dim: int, window_size: int, ratio: int = 0,
-                     top_k: int = 0, splits: int = 1, workspace: int = 0, fp8_kv: bool = False
-                     ) -> Launch | LaunchSequence:
+                     top_k: int = 0, splits: int = 1, workspace: int = 0, fp8_kv: bool = False,
+                     step_kv: int = 0) -> Launch | LaunchSequence:
     """out [rows, heads, hd] = inverse-RoPE(softmax attention of q [rows, heads, hd]) over the window
     entries max(0, m-window_size+1) .. m, the compressed entries (compressed given, `ratio` > 0: every
     visible one, or the row's `top_k` int32 choices in `selected` [rows, top_k], -1 for none) and the
     float32 `sink` [heads]. Rows with req < 0 get zeros. `splits` > 1 divides each row's keys among that
     many blocks (decode batches too small to fill the GPU) and needs a `workspace` of
     attention_workspace_bytes(); a second launch merges them. fp8_kv: both caches hold faithful-mode
-    entries (kv_entry_bytes); the bf16 build dequantises packed ones in its key loads."""
+    entries (kv_entry_bytes); the bf16 build dequantises packed ones in its key loads. step_kv: the step's own
+    window entries (qkv_norm_rope_insert's), read in place of the cache for positions of this step, so that a
+    request's rows in one step may outnumber the window; without it every window key comes from the cache."""
     return _attention(False, device, dtype, out, q, positions, req, sink, inv_freq, window, compressed, selected,
-                      rows, heads, head_dim, rope_dim, window_size, ratio, top_k, splits, workspace, fp8_kv)
+                      rows, heads, head_dim, rope_dim, window_size, ratio, top_k, splits, workspace, fp8_kv, step_kv)
 
 
 def sparse_attention_mqa(device: Device, dtype, out: int, q: int, positions: int, req: int, sink: int,
                          inv_freq: int, window: PagedCache, compressed: PagedCache | None = None,
                          selected: int | None = None, *, rows: int, heads: int, head_dim: int, rope_dim: int,
                          window_size: int, ratio: int = 0, top_k: int = 0, splits: int = 1, workspace: int = 0,
-                         fp8_kv: bool = False) -> Launch | LaunchSequence:
+                         fp8_kv: bool = False, step_kv: int = 0) -> Launch | LaunchSequence:
     """sparse_attention on the tensor cores, bf16 build only (head_dim a multiple of 16): a block takes a row's
     q for up to MQA_HEADS heads, so each key is read once per row, and computes scores and P·V with bf16
     mma.sync (P rounded to bf16). Same arguments, outputs, workspace layout and merge (attention_combine);
     pick `splits` with attention_mqa_splits and size the workspace for them. fp8_kv: packed entries are
     dequantised (exactly) into the shared-memory key tiles."""
     return _attention(True, device, dtype, out, q, positions, req, sink, inv_freq, window, compressed, selected,
-                      rows, heads, head_dim, rope_dim, window_size, ratio, top_k, splits, workspace, fp8_kv)
+                      rows, heads, head_dim, rope_dim, window_size, ratio, top_k, splits, workspace, fp8_kv, step_kv)
 
 
 def _attention(mqa: bool, device, dtype, out, q, positions, req, sink, inv_freq, window, compressed, selected, rows,
-               heads, head_dim, rope_dim, window_size, ratio, top_k, splits, workspace, fp8_kv):
+               heads, head_dim, rope_dim, window_size, ratio, top_k, splits, workspace, fp8_kv, step_kv):
     if compressed is None and (ratio or selected):
         raise ValueError("compressed entries need the compressed cache")
     if compressed is not None and ratio <= 0:
@@ -132,7 +135,7 @@ def _attention(mqa: bool, device, dtype, out, q, positions, req, sink, inv_freq,
         raise ValueError(f"sparse_attention_mqa takes bf16 rows of a multiple of 16 dims, not {np.dtype(dtype)} "
                          f"× {head_dim} (the float32 build runs sparse_attention)")
     caches = [window] + ([compressed] if compressed else [])
-    _check_shape(dtype, head_dim, rope_dim, caches, [out, q, workspace, *(c.base for c in caches)], fp8_kv)
+    _check_shape(dtype, head_dim, rope_dim, caches, [out, q, workspace, step_kv, *(c.base for c in caches)], fp8_kv)
     t = storage_name(dtype)
     packed = packed_kv(dtype, fp8_kv)
     cmp = compressed or PagedCache(0, 0, 0, 1, 16)
@@ -142,7 +145,8 @@ def _attention(mqa: bool, device, dtype, out, q, positions, req, sink, inv_freq,
             ctypes.c_void_p(positions), ctypes.c_void_p(req), ctypes.c_void_p(sink), ctypes.c_void_p(inv_freq),
             *window.args(), *cmp.args(), ctypes.c_void_p(selected or 0), ctypes.c_int(top_k),
             ctypes.c_int(ratio if compressed else 0), ctypes.c_int(window_size), ctypes.c_int(heads),
-            ctypes.c_int(head_dim), ctypes.c_int(rope_dim), ctypes.c_float(np.float32(head_dim ** -0.5))]
+            ctypes.c_int(head_dim), ctypes.c_int(rope_dim), ctypes.c_float(np.float32(head_dim ** -0.5)),
+            ctypes.c_void_p(step_kv)]
     flag = ",true" if packed else ""
     if mqa:
         kernel = device.kernel("attention_mqa", f"sparse_attention_mqa<{t}{flag}>", _MQA)

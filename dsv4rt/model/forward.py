@@ -59,11 +59,16 @@ class Entry:
     start: int
 
 
+STEP_TOKENS = 8192     # default rows of a step: big enough that prefill GEMMs run at tensor-core speed
+LOGIT_ROWS = 1024      # rows of logits a step may return beyond one per request (forward's every_row)
+
+
 class GpuModel:
     """The forward for up to `max_batch` requests at once (one request slot each), at most `step_rows`
-    tokens per step and `max_len` positions per request. A request's own tokens in one step must
-    number at most `max_chunk` (window − 1): the attention kernel reads a step's keys from the window
-    cache, whose pages the block manager holds only for what a step reads or leaves to the next.
+    tokens per step (by default STEP_TOKENS, at most max_len) and `max_len` positions per request. A
+    request's tokens in one step may fill it: attention takes the step's own window keys
+    from the step's rows and earlier ones from the window cache, whose pages the block manager holds
+    only for what a step reads or leaves to the next (dsv4rt/kv/blocks.py).
     `numerics` exact or faithful; by default faithful for checkpoints stored in fp8/fp4."""
 
     def __init__(self, model_dir, dtype=ml_dtypes.bfloat16, *, runtime: Runtime | None = None,
@@ -84,8 +89,8 @@ class GpuModel:
         self.max_len, self.max_batch = max_len, max_batch
         # bf16 builds attend on the tensor cores (sparse_attention_mqa), the float32 build on the CUDA cores
         self.mqa = self.dtype.itemsize == 2 and cfg.head_dim % 16 == 0
-        self.max_chunk = max(1, cfg.window - 1)
-        self.rows = step_rows or self.max_chunk
+        self.rows = step_rows or min(STEP_TOKENS, max_len)
+        self.out_rows = min(self.rows, max(max_batch, LOGIT_ROWS))
         self.plan = build_plan(cfg, self.numerics, element_bytes=self.dtype.itemsize)
         self.kv = rt.arena.alloc(kv_bytes, "KV cache")
         self.allocator = SlabAllocator(kv_bytes, self.plan.class_page_bytes, slab_bytes)
@@ -151,7 +156,8 @@ class GpuModel:
             ia=T * 2 * c.index_head_dim * 4, iz=T * 2 * c.index_head_dim * 4,
             iq=T * c.index_n_heads * c.index_head_dim * s, iw=T * c.index_n_heads * 4, scores=T * n_max * 4,
             selected=T * c.index_topk * 4, o=T * c.num_heads * hd * s, t=T * c.o_groups * c.o_lora_rank * s,
-            f=T * D * s, y=T * D * s, logits=T * c.vocab_size * 4, moe=moe_bytes, **quantized, **expanded,
+            f=T * D * s, y=T * D * s, logits=self.out_rows * c.vocab_size * 4,
+            kv_rows=T * self.cache("window", 0).entry_bytes, moe=moe_bytes, **quantized, **expanded,
             hc_pre=hc_k.pre_workspace_bytes(T, c.hc_mult, D),
             att=max(attn_k.attention_workspace_bytes(t, c.num_heads, hd, self._splits(i, t))  # splits = 1 beyond
                     for t in range(1, min(T, 2 * self.rt.device.sm_count) + 1)    # 2·sm_count rows
@@ -178,7 +184,7 @@ class GpuModel:
         if self.length + len(ids) > self.max_len:
             raise ValueError(f"{self.length + len(ids)} positions exceed this model's max_len {self.max_len}")
         out = []
-        for entry, last in self._steps(ids):
+        for entry, last in self._steps(ids, self.rows if last_only else self.out_rows):
             if not last_only or last:
                 out.append(self.run([entry], every_row=not last_only))
             else:
@@ -186,14 +192,14 @@ class GpuModel:
                 self.launch(len(entry.ids), 1, False)
         return np.concatenate(out) if out else np.zeros((0, self.cfg.vocab_size), np.float32)
 
-    def _steps(self, ids: np.ndarray):
-        """Slot 0's steps over `ids`, each placed and its tables refreshed: (entry, whether last); the
-        length advances when the caller asks for the next one."""
-        for a in range(0, len(ids), self.max_chunk):
-            chunk = ids[a:a + self.max_chunk]
+    def _steps(self, ids: np.ndarray, size: int):
+        """Slot 0's steps over `ids`, `size` tokens each, placed and their tables refreshed: (entry, whether
+        last); the length advances when the caller asks for the next one."""
+        for a in range(0, len(ids), size):
+            chunk = ids[a:a + size]
             self.blocks.place(0, self.length + len(chunk))
             self.tables.refresh(0, self.blocks, 0, self.rt.stream)
-            yield Entry(0, chunk, self.length), a + self.max_chunk >= len(ids)
+            yield Entry(0, chunk, self.length), a + size >= len(ids)
             self.length += len(chunk)
 
     def reset(self):
@@ -208,7 +214,7 @@ class GpuModel:
         self.reset()
         ids = np.asarray(ids, np.int64).reshape(-1)
         out = []
-        for entry, _ in self._steps(ids):
+        for entry, _ in self._steps(ids, self.out_rows):
             T = self.upload([entry])
             x = np.ascontiguousarray(streams[entry.start:entry.start + T]).astype(self.dtype)
             self._hc_reset()
@@ -238,8 +244,9 @@ class GpuModel:
 
     def upload(self, entries: list[Entry], pad_to: int = 0, every_row: bool = True, sampling=None) -> int:
         T = self.inputs.fill(entries, pad_to, every_row, sampling)
-        if T > self.rows:
-            raise ValueError(f"a step of {T} tokens exceeds the workspace's {self.rows} rows")
+        if T > self.rows or self.inputs.n_out > self.out_rows:
+            raise ValueError(f"a step of {T} tokens ({self.inputs.n_out} with logits) exceeds the workspace's "
+                             f"{self.rows} ({self.out_rows})")
         self.ws.buffer.copy_from_host(self.inputs.host, self.rt.stream, offset=self.ws["inputs"] - self.ws.buffer.ptr)
         return T
 
@@ -291,13 +298,14 @@ class GpuModel:
         window = self.cache("window", i)
         attn_k.qkv_norm_rope_insert(dev, dt, ws["q"], ws["kv"], W[a + "kv_norm.weight"].ptr, ws["pos"], ws["req"],
                                     self.inv_freq[i], window, rows=T, heads=H, head_dim=hd, rope_dim=rd, eps=c.eps,
-                                    fp8_kv=self.faithful)(st)
+                                    fp8_kv=self.faithful, step_kv=ws["kv_rows"])(st)
         for done in joins:
             st.wait(done)
         attention = attn_k.sparse_attention_mqa if self.mqa else attn_k.sparse_attention
         attention(dev, dt, ws["o"], ws["q"], ws["pos"], ws["req"], W[a + "attn_sink"].ptr, self.inv_freq[i], window,
                   compressed, selected, rows=T, heads=H, head_dim=hd, rope_dim=rd, window_size=c.window, ratio=ratio,
-                  top_k=c.index_topk, splits=self._splits(i, T), workspace=ws["att"], fp8_kv=self.faithful)(st)
+                  top_k=c.index_topk, splits=self._splits(i, T), workspace=ws["att"], fp8_kv=self.faithful,
+                  step_kv=ws["kv_rows"])(st)
         self._output_projection(a + "wo_a.weight", T)(st)
         self._linear(a + "wo_b.weight", "t", "f", T, c.hidden_size, c.o_groups * c.o_lora_rank)(st)
         self._hc_post(T)
