@@ -1,6 +1,6 @@
-// dsv4rt-instantiate: indexer_scores<float> indexer_scores<__nv_bfloat16> indexer_scores_mma<false> indexer_topk
+// dsv4rt-instantiate: indexer_scores<float> indexer_scores<__nv_bfloat16> indexer_scores_mma<false> indexer_topk<8>
 // dsv4rt-instantiate: indexer_q_fp4<float> indexer_q_fp4<__nv_bfloat16> indexer_scores<float,true>
-// dsv4rt-instantiate: indexer_scores<__nv_bfloat16,true> indexer_scores_mma<true>
+// dsv4rt-instantiate: indexer_scores<__nv_bfloat16,true> indexer_scores_mma<true> indexer_topk<1>
 #include "compress.cuh"
 #include "indexer_fp4.cuh"
 
@@ -358,8 +358,10 @@ __global__ void __launch_bounds__(kMmaThreads, 2) indexer_scores_mma(
 
 // ---------------------------------------------------------------- exact top-k
 
-// A cluster of kCluster blocks shares each row: block r takes the r-th share of its entries, the
-// blocks add their histograms through distributed shared memory. The key is selected in three MSB
+// A cluster of Cluster blocks shares each row: block r takes the r-th share of its entries, the
+// blocks add their histograms through distributed shared memory. kCluster when rows are few (decode);
+// one block a row when they fill the GPU anyway (prefill), where more would only repeat each block's
+// fixed cost. The key is selected in three MSB
 // digits (12, 10, 10 bits). Entries whose first digit matches the threshold's are copied to shared
 // memory once (unless some block has more than `capacity`: then every pass re-reads the row).
 constexpr int kCluster = 8;
@@ -435,11 +437,12 @@ __device__ __forceinline__ Cut find_cut(const unsigned* hist, int bins, int need
 }
 
 // total[b] = Σ over the cluster's blocks of their hist[b]; hist is complete in every block (cluster_sync).
+template <int Cluster>
 __device__ __forceinline__ void cluster_hist(const unsigned* hist, unsigned* total, int bins) {
     for (int i = threadIdx.x; i < bins / 4; i += kSelectThreads) {
         uint4 s = make_uint4(0, 0, 0, 0);
 #pragma unroll
-        for (int r = 0; r < kCluster; ++r) {
+        for (int r = 0; r < Cluster; ++r) {
             const uint4 v = cluster_load4(cluster_addr(hist + 4 * i, r));
             s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
         }
@@ -532,9 +535,10 @@ __device__ __forceinline__ void each_candidate(Share& s) {
 }
 
 // selected [rows, topk]: the min(topk, visible) best entries of each row in ascending index order,
-// ties toward the lower index, then −1. Grid (kCluster, rows), kSelectThreads threads; dynamic shared
+// ties toward the lower index, then −1. Grid (Cluster, rows), kSelectThreads threads; dynamic shared
 // memory: two bitmaps of the block's share of entries, then `capacity` candidates (key and index).
-__global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kSelectThreads) indexer_topk(
+template <int Cluster>
+__global__ void __cluster_dims__(Cluster, 1, 1) __launch_bounds__(kSelectThreads) indexer_topk(
         int* selected, const float* scores, const int* pos, const int* req, int n_max, int topk, int ratio,
         int capacity) {
     extern __shared__ unsigned dyn[];
@@ -548,7 +552,7 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kSelectThread
     int* out = selected + static_cast<size_t>(t) * topk;
     const int visible = req[t] < 0 ? 0 : min((pos[t] + 1) / ratio, n_max);
     if (visible <= topk) {
-        for (int i = rank * kSelectThreads + tid; i < topk; i += kCluster * kSelectThreads) out[i] = i < visible ? i : -1;
+        for (int i = rank * kSelectThreads + tid; i < topk; i += Cluster * kSelectThreads) out[i] = i < visible ? i : -1;
         return;
     }
     Share s;
@@ -556,7 +560,7 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kSelectThread
     s.skew = static_cast<int>(reinterpret_cast<size_t>(row) >> 2 & 3);
     s.groups = reinterpret_cast<const float4*>(row - s.skew);
     s.visible = visible;
-    const int n_groups = (visible + s.skew + 3) / 4, share = (n_groups + kCluster - 1) / kCluster;
+    const int n_groups = (visible + s.skew + 3) / 4, share = (n_groups + Cluster - 1) / Cluster;
     s.g_lo = min(n_groups, rank * share);
     s.g_hi = min(n_groups, s.g_lo + share);
     s.lo = 4 * s.g_lo - s.skew;
@@ -572,20 +576,20 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kSelectThread
 
     each_entry<kFirstDigit>(s);
     cluster_sync();
-    cluster_hist(hist1, total, kBins1);
+    cluster_hist<Cluster>(hist1, total, kBins1);
     const Cut c1 = find_cut(total, kBins1, topk, cut);
     s.bin1 = c1.bin;
-    s.in_shared = !__syncthreads_or(tid < kCluster && cluster_load(cluster_addr(hist1 + c1.bin, tid)) > capacity);
+    s.in_shared = !__syncthreads_or(tid < Cluster && cluster_load(cluster_addr(hist1 + c1.bin, tid)) > capacity);
 
     each_entry<kCollect>(s);
     cluster_sync();
-    cluster_hist(hist2, total, kBins);
+    cluster_hist<Cluster>(hist2, total, kBins);
     const Cut c2 = find_cut(total, kBins, c1.need, cut);
     s.prefix = c1.bin << 10 | c2.bin;
 
     each_candidate<kThirdDigit>(s);
     cluster_sync();
-    cluster_hist(hist3, total, kBins);
+    cluster_hist<Cluster>(hist3, total, kBins);
     const Cut c3 = find_cut(total, kBins, c2.need, cut);
     s.tau = s.prefix << 10 | c3.bin;  // the k-th largest key; c3.need entries equal to it are taken
 

@@ -1,5 +1,5 @@
 """The engine loop: many threads and asyncio tasks share one Engine; aborts free pages; a failing step
-ends its readers with the error and the loop serves on."""
+ends its readers with the error and the loop serves on; a sink takes each step's news at once."""
 import asyncio
 import threading
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import used_pages
-from dsv4rt.engine import Engine
+from dsv4rt.engine import Engine, EngineLoop
 from dsv4rt.reference.sampling import SamplingParams
 from dsv4rt.tiny import make_tiny
 
@@ -114,3 +114,38 @@ def test_a_bad_request_raises_in_the_caller(tiny):
     with pytest.raises(ValueError, match="the prompt is empty"):
         e.generate([""])
     assert e.loop._thread is None and not e.has_unfinished()
+
+
+def test_a_sink_takes_each_steps_news_for_every_stream_in_one_call(tiny):
+    batch = prompts(3)
+    params = SamplingParams(temperature=0, max_new_tokens=4)
+    expected = [o.token_ids for o in Engine(tiny).generate(batch, params)]
+    e = Engine(tiny)
+    calls = []
+    loop = EngineLoop(e, calls.append)
+
+    def drain():
+        for _ in range(400):
+            if loop._thread is None and not e.has_unfinished():
+                return
+            threading.Event().wait(0.05)
+    ids = [s.id for s in loop.submit_all([(p, params) for p in batch])]
+    drain()
+    assert len(calls) == loop.steps
+    got, ends = {i: [] for i in ids}, {}
+    for news in calls:
+        assert len({i for i, _, _ in news}) == len(news)
+        for i, new, end in news:
+            got[i] += new
+            if end is not None:
+                ends[i] = end
+    assert [got[i] for i in ids] == expected and all(ends[i] in ("stop", "length") for i in ids)
+
+    def broken(step):
+        raise MemoryError("out of host memory")
+    e.runner.run, calls[:] = broken, []
+    ids = [s.id for s in loop.submit_all([(p, params) for p in batch])]
+    drain()
+    ended = [(i, end) for news in calls for i, _, end in news if end is not None]
+    assert sorted(i for i, _ in ended) == ids and all(isinstance(end, MemoryError) for _, end in ended)
+    assert used_pages(e) == 0

@@ -406,6 +406,19 @@ def test_indexer_flash_prefill_chunk(rt, dtype):
     check_selection(run_indexer(rt, dtype, [req], topk=512, rope_dim=64, rope_in_kernel=False), 512, SCORE_TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype, ties", [(np.float32, False), (BF16, False), (np.float32, True)])
+def test_indexer_prefill_rows_take_one_block_each(rt, dtype, ties):
+    """A step of 400 rows (beyond CLUSTER_ROWS × SMs: one top-k block per row), visible counts crossing k;
+    with keys from three vectors, the ties at the k-th score (float32: bf16 scores of identical keys err
+    alike, beyond the score tolerance, and the top-k reads float32 scores in both builds)."""
+    rng = np.random.default_rng(14)
+    p0, n = 1900, 400
+    keys = rng.standard_normal((3, 128), dtype=np.float32)[rng.integers(0, 3, (p0 + n) // 4)] if ties else None
+    req = make_request(rng, dtype, (p0 + n) // 4, np.arange(p0, p0 + n), 64, 128, keys=keys)
+    check_selection(run_indexer(rt, dtype, [req], topk=512, rope_dim=64, rope_in_kernel=True), 512, SCORE_TOL[dtype],
+                    exact=ties)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, dim, rope_dim, topk", [(32, 16, 16, 8), (40, 64, 16, 20)])
 def test_indexer_odd_sizes(rt, dtype, heads, dim, rope_dim, topk):

@@ -1,10 +1,12 @@
 """`dsv4rt serve` with the real `openai` client on a tiny CPU model: chat and completions, streaming and not,
 usage, stop strings, seeds, every error status, 16 concurrent streams, a disconnect that frees every page,
-SIGTERM; DSML tool calls and reasoning fed as tokens through the server's streaming path."""
+SIGTERM; the engine process: its refusals, its death, never outliving the server; DSML tool calls and
+reasoning fed as tokens through the server's streaming path."""
 import concurrent.futures
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -44,6 +46,26 @@ def post(port: int, path: str, body: bytes) -> http.client.HTTPResponse:
     return conn.getresponse()
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether the process runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def serve_in_thread(server):
+    """uvicorn running `server` in a thread of this process: (port, the uvicorn Server, its thread)."""
+    import uvicorn
+    port = free_port()
+    web = uvicorn.Server(uvicorn.Config(server.app(), port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=web.run, daemon=True)
+    thread.start()
+    while not web.started:
+        time.sleep(0.02)
+    return port, web, thread
+
+
 def get(port: int, path: str) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
@@ -72,6 +94,10 @@ class Served:
             time.sleep(0.1)
         self.url = f"http://127.0.0.1:{self.port}"
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0)
+
+    @property
+    def engine_pid(self) -> int:
+        return int(re.search(r"\(engine process (\d+)\)", self.log.read_text()).group(1))
 
     def metrics(self) -> dict[str, float]:
         status, text = get(self.port, "/metrics")
@@ -254,7 +280,7 @@ def test_a_full_queue_is_a_429_and_sigterm_finishes_the_running_request_and_exit
         assert first.choices[0].delta.role == "assistant" and rest[-1].choices[0].finish_reason == "length"
         assert list(queued)[-1].choices[0].finish_reason is not None
         assert s.proc.wait(60) == 0, s.log.read_text()
-        assert "Traceback" not in s.log.read_text()
+        assert "Traceback" not in s.log.read_text() and not pid_alive(s.engine_pid)
     finally:
         s.stop()
 
@@ -268,16 +294,78 @@ def test_sigterm_aborts_what_outlasts_the_grace_period(tiny, tmp_path):
         with pytest.raises(openai.APIError):
             list(long)
         assert s.proc.wait(60) == 0, s.log.read_text()
+        assert not pid_alive(s.engine_pid)
     finally:
         s.stop()
+
+
+def test_the_engine_process_ends_with_a_killed_server(tiny, tmp_path):
+    s = Served(tiny, tmp_path)
+    pid = s.engine_pid
+    assert pid_alive(pid)
+    s.stop()                       # SIGKILL: the engine process sees its pipe close
+    for _ in range(300):
+        if not pid_alive(pid):
+            break
+        time.sleep(0.1)
+    assert not pid_alive(pid)
+
+
+def test_a_request_the_engine_refuses_is_a_400_with_its_message(tiny, tmp_path):
+    # 4 slabs of KV cache: the warm-up fits, a request that may run to a million positions never will
+    s = Served(tiny, tmp_path, "--kv-gib", 0.008, "--max-model-len", 1 << 20)
+    try:
+        for stream in (False, True):
+            status, error = status_of(lambda: s.client.completions.create(model="tiny", prompt="Hi", stream=stream))
+            assert status == 400 and error["param"] == "prompt"
+            assert "can never fit" in error["message"] and "shorten the prompt" in error["message"]
+        assert s.client.completions.create(model="tiny", prompt="Hi", max_tokens=3).usage.completion_tokens > 0
+        assert s.metrics()["dsv4rt_requests_waiting"] == 0
+    finally:
+        s.stop()
+
+
+def test_a_dead_engine_process_ends_the_streams_and_the_server_exits_1(tiny, tmp_path):
+    s = Served(tiny, tmp_path)
+    try:
+        long = s.client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=400, stream=True)
+        next(iter(long))
+        os.kill(s.engine_pid, signal.SIGKILL)
+        with pytest.raises(openai.APIError, match="generation failed: the engine process exited unexpectedly"):
+            list(long)
+        assert s.proc.wait(60) == 1
+        log = s.log.read_text()
+        assert "error: the engine process exited unexpectedly (exit code -9)" in log and "Traceback" not in log
+    finally:
+        s.stop()
+
+
+def test_a_dead_engine_process_makes_health_and_new_requests_503(tiny):
+    from dsv4rt.server import EngineProcess, Server
+    engine = EngineProcess(tiny, "cpu", max_len=MAX_LEN)
+    port, web, thread = serve_in_thread(Server(engine, "tiny"))
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    try:
+        long = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=400, stream=True)
+        next(iter(long))
+        engine.process.kill()
+        with pytest.raises(openai.APIError, match="generation failed: the engine process exited unexpectedly"):
+            list(long)
+        status, text = get(port, "/health")
+        assert status == 503 and text.startswith("the engine process exited unexpectedly (exit code -9)")
+        status, error = status_of(lambda: client.chat.completions.create(model="tiny", messages=HELLO))
+        assert status == 503 and "exited unexpectedly" in error["message"]
+    finally:
+        web.should_exit = True
+        thread.join(10)
+        engine.close()
 
 
 @pytest.fixture(scope="module")
 def scripted(tiny):
     """An in-process server whose engine "samples" a scripted completion (its tokens, then EOS) without running
     the model: the scheduler, the engine loop and the server's streaming path are the real ones."""
-    import uvicorn
-    from dsv4rt.server import Server
+    from dsv4rt.server import LocalEngine, Server
     engine = Engine(tiny, max_len=8192, prefix_cache_blocks=0)
     script: list[int] = []
 
@@ -286,12 +374,7 @@ def scripted(tiny):
             raise MemoryError("out of host memory")
         return [script[len(r.generated)] if len(r.generated) < len(script) else EOS for r, _ in step]
     engine.runner.run = scripted_run
-    port = free_port()
-    web = uvicorn.Server(uvicorn.Config(Server(engine, "tiny").app(), port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=web.run, daemon=True)
-    thread.start()
-    while not web.started:
-        time.sleep(0.02)
+    port, web, thread = serve_in_thread(Server(LocalEngine(engine), "tiny"))
     yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0), script, engine.tokenizer
     web.should_exit = True
     thread.join(10)

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from . import main
-from .common import DEVICES, resolve_device
+from .common import DEVICES, max_batched_tokens_option
 
 
 @main.command()
@@ -29,31 +29,37 @@ from .common import DEVICES, resolve_device
 @click.option("--grace-seconds", default=30.0, show_default=True, type=click.FloatRange(0),
               help="on SIGTERM, how long running requests may finish before they are aborted")
 @click.option("--numerics", type=click.Choice(["exact", "faithful"]), help="default: faithful for fp8 checkpoints")
+@max_batched_tokens_option
 def serve(model, host, port, api_key, served_model_name, device, max_running, max_waiting, max_model_len, kv_gib,
-          max_body_bytes, grace_seconds, numerics):
+          max_body_bytes, grace_seconds, numerics, max_batched_tokens):
     """Serve MODEL over an OpenAI-compatible HTTP API (chat, completions, models, health, metrics)."""
     import uvicorn
-    from ..engine import Engine
-    from ..server import Server
-    device = resolve_device(device)
-    engine = Engine(model, device, kv_bytes=int(kv_gib * (1 << 30)), max_running=max_running,
-                    max_len=max_model_len, numerics=numerics)
-    engine.warm_up()
-    name = served_model_name or Path(model).resolve().name
-    server = Server(engine, name, api_key, max_waiting, max_body_bytes)
-    config = uvicorn.Config(server.app(), host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=grace_seconds, lifespan="off")
-    web = _web_server(config)
+    from ..server import EngineProcess, Server
+    signal.signal(signal.SIGTERM, signal.default_int_handler)    # while the engine starts, as Ctrl-C: stop it
+    engine = EngineProcess(model, device, kv_bytes=int(kv_gib * (1 << 30)), max_running=max_running,
+                           max_len=max_model_len, numerics=numerics, max_batched_tokens=max_batched_tokens)
+    try:
+        name = served_model_name or Path(model).resolve().name
+        server = Server(engine, name, api_key, max_waiting, max_body_bytes)
+        config = uvicorn.Config(server.app(), host=host, port=port, log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=grace_seconds, lifespan="off")
+        web = _web_server(config)
 
-    def stop(signum, frame):
-        server.draining = True
-        web.force_exit = web.should_exit and signum == signal.SIGINT     # a second Ctrl-C: stop now
-        web.should_exit = True
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    click.echo(f"dsv4rt serve: {model} as '{name}' on {device}, http://{host}:{port}/v1", err=True)
-    web.run()
-    engine.loop.abort_all()                     # past the grace period: abort what is left
+        def stop(signum, frame):
+            server.draining = True
+            web.force_exit = web.should_exit and signum == signal.SIGINT     # a second Ctrl-C: stop now
+            web.should_exit = True
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        engine.on_exit = lambda: stop(signal.SIGTERM, None)      # its streams have ended: drain and exit 1
+        click.echo(f"dsv4rt serve: {model} as '{name}' on {engine.device} (engine process {engine.process.pid}), "
+                   f"http://{host}:{port}/v1", err=True)
+        web.run()
+        engine.abort_all()                      # past the grace period: abort what is left
+    finally:
+        engine.close()
+    if engine.failure:
+        raise RuntimeError(engine.failure)
     if not web.started:
         raise click.ClickException(f"could not listen on {host}:{port}")
 

@@ -15,6 +15,9 @@ The concurrency model:
 - An exception in a step aborts every live request and ends each stream with that exception, raised
   in its reader; the loop serves on. `abort_all()` (a server past its grace period) ends them alike,
   with "abort".
+- A loop given a `sink` hands each step's news to it in one list instead of to the streams (the server's
+  backends: dsv4rt/server/backend.py): every stream with news as (request id, new token ids, end), end
+  being None while its request runs, then the finish reason or the exception that ended it.
 The Engine's own methods (step, add_request, abort) take its lock, so calling them directly from
 other threads while the loop runs is safe too.
 """
@@ -23,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from ..reference.sampling import SamplingParams
 from .request import Request
@@ -54,6 +57,14 @@ class TokenStream:
                 self._aloop.call_soon_threadsafe(self._items.put_nowait, item)
             except RuntimeError:           # the reader's event loop has closed: nobody is left to tell
                 pass
+
+    def _give(self, ids: list[int], end) -> None:
+        if ids:
+            self._put(("tokens", ids))
+        if isinstance(end, BaseException):
+            self._put(("error", end))
+        elif end is not None:
+            self._put(("end", end))
 
     def _take(self, item) -> list[int]:
         kind, value = item
@@ -104,9 +115,14 @@ class TokenStream:
             self._loop.abort(self.request.id, wait=False)
 
 
+Sink = Callable[[list[tuple[object, list[int], object]]], None]
+
+
 class EngineLoop:
-    def __init__(self, engine: "Engine"):
-        self.engine = engine
+    def __init__(self, engine: "Engine", sink: Sink | None = None):
+        """`sink`, when given, takes every step's news in place of the streams; it runs in the loop's thread, or
+        in the thread that calls abort_all."""
+        self.engine, self.sink = engine, sink
         self._cond = threading.Condition()
         self._inbox: list[TokenStream] = []
         self._aborts: list[tuple[object, threading.Event | None]] = []
@@ -158,8 +174,7 @@ class EngineLoop:
                 self._thread = None
                 inbox, aborts = self._inbox, self._aborts
                 self._inbox, self._aborts = [], []
-            for stream in inbox:
-                stream._put(("error", e))
+            self._hand([(stream, [], e) for stream in inbox])
             for _, done in aborts:
                 if done is not None:
                     done.set()
@@ -192,28 +207,31 @@ class EngineLoop:
             self._publish()
         return True
 
-    def _publish(self) -> None:
-        ended = []
+    def _publish(self, error: BaseException | None = None) -> None:
+        """Hand out every stream's new tokens, and the end of those whose request is done (of all, with `error`)."""
+        news = []
         for stream in self._streams.values():
             request = stream.request
-            if len(request.generated) > stream.sent:
-                stream._put(("tokens", request.generated[stream.sent:]))
+            end = error if error is not None else request.finish_reason if request.done else None
+            if len(request.generated) > stream.sent or end is not None:
+                news.append((stream, request.generated[stream.sent:], end))
                 stream.sent = len(request.generated)
-            if request.done:
-                stream._put(("end", request.finish_reason))
-                ended.append(stream.id)
-        for request_id in ended:
-            del self._streams[request_id]
+        for stream, _, end in news:
+            if end is not None:
+                del self._streams[stream.id]
+        self._hand(news)
+
+    def _hand(self, news: list[tuple[TokenStream, list[int], object]]) -> None:
+        if self.sink is not None:
+            self.sink([(stream.id, ids, end) for stream, ids, end in news])
+        else:
+            for stream, ids, end in news:
+                stream._give(ids, end)
 
     def abort_all(self, error: BaseException | None = None) -> None:
-        """Abort every live request and end every stream: with `error`, raised in its reader, or else with
-        the tokens it has not had and "abort". Any thread may call it (it takes the engine's lock)."""
+        """Abort every live request and end every stream: the tokens it has not had, then `error` (raised in its
+        reader) or else "abort". Any thread may call it (it takes the engine's lock)."""
         with self.engine.lock:
             for request_id in self.engine.live_ids():
                 self.engine.abort(request_id)
-            if error is None:
-                self._publish()
-                return
-            for stream in self._streams.values():
-                stream._put(("error", error))
-            self._streams.clear()
+            self._publish(error)

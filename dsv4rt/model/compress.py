@@ -21,16 +21,17 @@ MMA_STAGES = 4            # kStages
 MMA_BLOCKS_PER_SM = 2     # its __launch_bounds__ minimum: one wave of blocks streams all keys
 MMA_FP4_STAGES = 8        # kFp4Stages: packed key tiles in flight
 Q_THREADS = 256           # kQThreads of indexer_q_fp4: a warp per head
-CLUSTER = 8               # kCluster: top-k blocks per row
+CLUSTER = 8               # kCluster: top-k blocks per row while rows are fewer than CLUSTER_ROWS × SMs
+CLUSTER_ROWS = 2          # beyond, one block a row (H200, flash-slice 8K prefill in one step: 8 a row took 5.1 ms a layer)
 SELECT_THREADS = 512
 CANDIDATES = 3072         # top-k candidates a block holds in shared memory (24 KB)
 MAX_GRID_Y = 65535
 
 _POOL = ("compress_pool<float>", "compress_pool<__nv_bfloat16>", "compress_pool<float,true>",
          "compress_pool<__nv_bfloat16,true>", "compress_pool<float,false,true>")
-_INDEXER = ("indexer_scores<float>", "indexer_scores<__nv_bfloat16>", "indexer_scores_mma<false>", "indexer_topk",
+_INDEXER = ("indexer_scores<float>", "indexer_scores<__nv_bfloat16>", "indexer_scores_mma<false>", "indexer_topk<8>",
             "indexer_q_fp4<float>", "indexer_q_fp4<__nv_bfloat16>", "indexer_scores<float,true>",
-            "indexer_scores<__nv_bfloat16,true>", "indexer_scores_mma<true>")
+            "indexer_scores<__nv_bfloat16,true>", "indexer_scores_mma<true>", "indexer_topk<1>")
 
 
 def hadamard_size(dim: int) -> int:
@@ -152,8 +153,9 @@ def indexer_select(device: Device, dtype, selected: int, scores: int, q: int, w:
         score_args = [ctypes.c_void_p(scores), ctypes.c_void_p(q), ctypes.c_void_p(w), *common,
                       ctypes.c_int(head_dim), ctypes.c_int(n_max), ctypes.c_int(ratio)]
     score.allow_shared(shared)
-    select = device.kernel("indexer", "indexer_topk", _INDEXER)
-    share = -(-((n_max + 6) // 4) // CLUSTER)   # float4 groups of a block's share of the row
+    cluster = CLUSTER if rows < CLUSTER_ROWS * device.sm_count else 1
+    select = device.kernel("indexer", f"indexer_topk<{cluster}>", _INDEXER)
+    share = -(-((n_max + 6) // 4) // cluster)   # float4 groups of a block's share of the row
     candidates = min(CANDIDATES, 4 * share)
     select_shared = 2 * (-(-share // 8) + candidates) * 4   # two bitmaps, candidate keys and indices
     select.allow_shared(select_shared)
@@ -161,5 +163,5 @@ def indexer_select(device: Device, dtype, selected: int, scores: int, q: int, w:
                    ctypes.c_void_p(req), ctypes.c_int(n_max), ctypes.c_int(topk), ctypes.c_int(ratio),
                    ctypes.c_int(candidates)]
     return LaunchSequence(*launches, score.bind((splits, rows), SCORE_THREADS, score_args, shared=shared),
-                          select.bind((CLUSTER, rows), SELECT_THREADS, select_args, shared=select_shared))
+                          select.bind((cluster, rows), SELECT_THREADS, select_args, shared=select_shared))
 

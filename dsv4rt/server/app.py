@@ -1,8 +1,9 @@
-"""The OpenAI-compatible HTTP API over one Engine, as a Starlette (ASGI) app.
+"""The OpenAI-compatible HTTP API over one engine, as a Starlette (ASGI) app.
 
-Each request is checked and tokenized in the event loop, submitted to the engine loop
-(dsv4rt/engine/loop.py) and read back with `async for`; a client that disconnects, streaming or not,
-aborts its request at once, so its pages are free after the loop's next step."""
+Each request is checked and tokenized in the event loop, submitted to the engine through its backend
+(backend.py: the engine process of `dsv4rt serve`, process.py, or an Engine in this process) and read
+back with `async for`; a client that disconnects, streaming or not, aborts its request at once, so its
+pages are free after the engine's next step. An engine that is gone makes /health and new requests 503."""
 from __future__ import annotations
 
 import asyncio
@@ -18,6 +19,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from ..chat import dsml
+from .backend import EngineError
 from .generation import Outcome, deltas
 from .metrics import Metrics
 from .protocol import APIError, Job, chat_job, check_model, completion_job
@@ -74,6 +76,8 @@ def _chat_delta(event: dict) -> dict:
 
 
 class Server:
+    """The routes, over `engine`: a backend (backend.py)."""
+
     def __init__(self, engine, name: str, api_key: str | None = None, max_waiting: int = 256,
                  max_body_bytes: int = 32 << 20):
         self.engine, self.name, self.api_key = engine, name, api_key
@@ -132,10 +136,12 @@ class Server:
         return JSONResponse({"object": "list", "data": [model]})
 
     async def health(self, request: Request) -> Response:
+        if self.engine.failure:
+            return PlainTextResponse(f"{self.engine.failure}\n", 503)
         return PlainTextResponse("draining\n" if self.draining else "ok\n", 503 if self.draining else 200)
 
     async def scrape(self, request: Request) -> Response:
-        return PlainTextResponse(self.metrics.render(self.engine),
+        return PlainTextResponse(self.metrics.render(self.engine.gauges),
                                  media_type="text/plain; version=0.0.4")
 
     async def chat(self, request: Request) -> Response:
@@ -146,6 +152,8 @@ class Server:
 
     async def _generate(self, request: Request, endpoint: str) -> Response:
         try:
+            if self.engine.failure:
+                raise APIError(503, self.engine.failure)
             if self.draining:
                 raise APIError(503, "the server is shutting down")
             self._authorize(request)
@@ -153,12 +161,14 @@ class Server:
             check_model(body, self.name)
             make_job = chat_job if endpoint == CHAT else completion_job
             job = make_job(body, self.engine.tokenizer, self.engine.max_len)
-            if self.engine.loop.waiting >= self.max_waiting:
+            if self.engine.waiting >= self.max_waiting:
                 raise APIError(429, f"the queue is full ({self.max_waiting} requests waiting); retry later")
             try:
-                stream = self.engine.loop.submit(job.prompt_ids, job.params, asyncio.get_running_loop())
+                stream = await self.engine.submit(job.prompt_ids, job.params)
             except ValueError as e:
                 raise APIError(400, str(e), "prompt" if endpoint == COMPLETIONS else "messages") from None
+            except EngineError as e:
+                raise APIError(503, str(e)) from None
         except APIError as e:
             self.metrics.request(endpoint, e.status)
             return self._error(e)

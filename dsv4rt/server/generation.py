@@ -8,7 +8,7 @@ from typing import AsyncIterator
 
 from ..chat import dsml
 from ..chat.detok import StreamDecoder
-from ..engine.loop import TokenStream
+from .backend import Stream
 from .metrics import Metrics
 from .protocol import Job
 
@@ -45,7 +45,7 @@ class Outcome:
     tool_calls: int = 0
 
 
-async def deltas(job: Job, stream: TokenStream, tokenizer, chat: bool, metrics: Metrics, arrived: float,
+async def deltas(job: Job, stream: Stream, tokenizer, chat: bool, metrics: Metrics, arrived: float,
                  out: Outcome) -> AsyncIterator[list[dict]]:
     """Yield lists of deltas ({"content"}, {"reasoning_content"}, {"tool_call"} for chat; {"text"} for
     completions) as tokens arrive; `out` holds the finish reason and counts at the end."""

@@ -1,6 +1,6 @@
 """Prometheus text for /metrics: requests by status, tokens, time to first token and inter-token
-histograms, running and waiting requests, KV-cache use (read from the engine without its lock: a
-scrape may see a step half done, never a wrong total for long)."""
+histograms, counted in the HTTP process; running and waiting requests and KV-cache use, gauges the engine's
+side reports (`engine_gauges`, read without the engine's lock: a step half done, never a wrong total for long)."""
 from __future__ import annotations
 
 import bisect
@@ -49,11 +49,7 @@ class Metrics:
         if n > 0:
             self.itl.observe(seconds / n, n)
 
-    def render(self, engine) -> str:
-        blocks = engine.scheduler.blocks
-        a = blocks.allocator
-        pages = [a.stats(c).used_pages for c in range(len(a.page_bytes))]
-        used = sum(n * b for n, b in zip(pages, a.page_bytes))
+    def render(self, gauges: dict[str, float]) -> str:
         lines = ["# TYPE dsv4rt_requests_total counter"]
         lines += [f'dsv4rt_requests_total{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())]
         lines.append("# TYPE dsv4rt_requests_finished_total counter")
@@ -64,12 +60,17 @@ class Metrics:
                   "# TYPE dsv4rt_time_to_first_token_seconds histogram",
                   *self.ttft.lines("dsv4rt_time_to_first_token_seconds"),
                   "# TYPE dsv4rt_inter_token_latency_seconds histogram",
-                  *self.itl.lines("dsv4rt_inter_token_latency_seconds"),
-                  "# TYPE dsv4rt_requests_running gauge", f"dsv4rt_requests_running {len(engine.scheduler.running)}",
-                  "# TYPE dsv4rt_requests_waiting gauge", f"dsv4rt_requests_waiting {engine.loop.waiting}",
-                  "# TYPE dsv4rt_kv_cache_used_pages gauge", f"dsv4rt_kv_cache_used_pages {sum(pages)}",
-                  "# TYPE dsv4rt_kv_cache_used_bytes gauge", f"dsv4rt_kv_cache_used_bytes {used}",
-                  "# TYPE dsv4rt_kv_cache_total_bytes gauge", f"dsv4rt_kv_cache_total_bytes {a.total_bytes}",
-                  "# TYPE dsv4rt_kv_cache_usage_ratio gauge",
-                  f"dsv4rt_kv_cache_usage_ratio {1 - a.free_slabs / a.n_slabs if a.n_slabs else 0.0}"]
+                  *self.itl.lines("dsv4rt_inter_token_latency_seconds")]
+        for name, value in gauges.items():
+            lines += [f"# TYPE dsv4rt_{name} gauge", f"dsv4rt_{name} {value}"]
         return "\n".join(lines) + "\n"
+
+
+def engine_gauges(engine, waiting: int) -> dict[str, float]:
+    """The gauges of /metrics, by name after `dsv4rt_`: running and `waiting` requests, KV-cache use."""
+    a = engine.scheduler.blocks.allocator
+    pages = [a.stats(c).used_pages for c in range(len(a.page_bytes))]
+    return {"requests_running": len(engine.scheduler.running), "requests_waiting": waiting,
+            "kv_cache_used_pages": sum(pages), "kv_cache_used_bytes": sum(n * b for n, b in zip(pages, a.page_bytes)),
+            "kv_cache_total_bytes": a.total_bytes,
+            "kv_cache_usage_ratio": 1 - a.free_slabs / a.n_slabs if a.n_slabs else 0.0}

@@ -1,10 +1,12 @@
-"""Per-kernel times of one flash-slice decode step, for reading under ncu:
+"""Per-kernel times of one flash-slice decode step or one prefill, for reading under ncu:
 
   ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
-      python3 bench/decode_profile.py MODEL --batch 1 --context 4096 > ncu.csv
-  python3 bench/decode_profile.py --table ncu.csv
+      python3 bench/step_profile.py MODEL --batch 1 --context 4096 > ncu.csv
+  ncu ... python3 bench/step_profile.py MODEL --prefill 8192 > ncu.csv
+  python3 bench/step_profile.py --table ncu.csv
 
-The step runs eagerly (the same kernels a graph replays) between cuProfilerStart and cuProfilerStop."""
+A decode step runs eagerly (the same kernels a graph replays), a prefill as `bench prefill` runs it, between
+cuProfilerStart and cuProfilerStop."""
 from __future__ import annotations
 
 import argparse
@@ -41,6 +43,26 @@ def profile(model_dir: str, batch: int, context: int) -> None:
                 driver.cuProfilerStop()
 
 
+def profile_prefill(model_dir: str, tokens: int) -> None:
+    import numpy as np
+    from cuda.bindings import driver
+
+    from dsv4rt.benchmarks import BF16, _kv_bytes
+    from dsv4rt.cuda.runtime import Runtime
+    from dsv4rt.model.forward import GpuModel
+
+    with Runtime() as rt:
+        m = GpuModel(model_dir, BF16, runtime=rt, max_len=tokens + 1, kv_bytes=_kv_bytes(model_dir, tokens, 1))
+        ids = np.random.default_rng(tokens).integers(2, m.cfg.vocab_size, tokens)
+        m.forward(ids[:300], last_only=True)     # loads every kernel
+        m.reset()
+        rt.stream.synchronize()
+        driver.cuProfilerStart()
+        m.forward(ids, last_only=True)
+        rt.stream.synchronize()
+        driver.cuProfilerStop()
+
+
 def table(path: str) -> None:
     """Kernel times summed by name (template arguments dropped), largest first."""
     total, count = defaultdict(float), defaultdict(int)
@@ -66,6 +88,12 @@ if __name__ == "__main__":
     ap.add_argument("model", nargs="?")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--prefill", type=int, help="profile a prefill of this many tokens instead")
     ap.add_argument("--table")
     a = ap.parse_args()
-    table(a.table) if a.table else profile(a.model, a.batch, a.context)
+    if a.table:
+        table(a.table)
+    elif a.prefill:
+        profile_prefill(a.model, a.prefill)
+    else:
+        profile(a.model, a.batch, a.context)
