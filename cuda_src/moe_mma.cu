@@ -4,12 +4,14 @@
 
 // The grouped expert GEMM of moe.cu's moe_gemm for the bf16 build on the tensor cores (prefill, and decode batches
 // past the skinny kernel's rows): the same operands, tiles and results, bf16 mma.sync m16n8k16 with fp32
-// accumulation. A block takes kMmaRows sorted rows and kMmaCols weight rows (GATED: 64 columns of w1 and of w3,
-// interleaved 8 by 8 so that a thread holds g and u of the same element; else 128 columns) over k in steps of
-// kMmaK, kMmaStages steps in flight through cp.async. Warp w multiplies rows 32·(w / 2).. by weight rows 64·(w % 2)..
-// with the ldmatrix lane addressing of attention_mqa.cu (rows of kMmaStride elements: the 8 row addresses of an
-// ldmatrix fall on distinct banks).
-constexpr int kMmaRows = 64, kMmaCols = 128, kMmaK = 32, kMmaStages = 4, kMmaWarps = 4;
+// accumulation. A block takes kMmaRows sorted rows and kMmaCols weight rows (GATED: 128 columns of w1 and of w3,
+// interleaved 8 by 8 so that a thread holds g and u of the same element; else 256 columns) over k in steps of
+// kMmaK, kMmaStages steps in flight through cp.async. Warp w multiplies all rows by weight rows 64·w.. with the
+// ldmatrix lane addressing of attention_mqa.cu (rows of kMmaStride elements: the 8 row addresses of an ldmatrix
+// fall on distinct banks). A warp's 64 × 64 tile takes 8 ldmatrix for 32 mma: with 32 × 64 (6 for 16) shared
+// memory bandwidth bounded the kernel (H200, flash-slice 8K prefill: 222 TFLOP/s).
+constexpr int kMmaRows = 64, kMmaCols = 256, kMmaK = 32, kMmaStages = 4, kMmaWarps = 4;
+constexpr int kMmaTiles = kMmaRows / 16;  // m16 tiles of a warp
 constexpr int kMmaStride = kMmaK + 8;
 constexpr int kMmaStageElems = (kMmaRows + kMmaCols) * kMmaStride;
 
@@ -73,18 +75,18 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
         cp_async_commit();
     };
 
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = warp >> 1, wn = warp & 1;
+    const int lane = threadIdx.x & 31, wn = threadIdx.x >> 5;
     const int g = lane >> 2, l4 = lane & 3;
     // ldmatrix lane addresses: A rows 16 at a time (16 x 16 fragments), weight rows as the B operand (8 rows x 16 k
     // per fragment, two fragments per x4).
-    const unsigned a_addr = smem_u32(sa + (wm * 32 + (lane & 15)) * kMmaStride + 8 * (lane >> 4));
+    const unsigned a_addr = smem_u32(sa + (lane & 15) * kMmaStride + 8 * (lane >> 4));
     const unsigned b_addr =
         smem_u32(sb + (wn * 64 + (lane & 7) + 8 * (lane >> 4)) * kMmaStride + 8 * ((lane >> 3) & 1));
 
-    // acc[mi][nt]: rows 32·wm + 16·mi + g, + 8 × weight rows 64·wn + 8·nt + 2·l4, +1 of the tile.
-    float acc[2][8][4];
+    // acc[mi][nt]: rows 16·mi + g, + 8 × weight rows 64·wn + 8·nt + 2·l4, +1 of the tile.
+    float acc[kMmaTiles][8][4];
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
+    for (int mi = 0; mi < kMmaTiles; ++mi)
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -101,15 +103,15 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
         const unsigned b_slot = b_addr + slot * kMmaCols * kMmaStride * 2;
 #pragma unroll
         for (int ks = 0; ks < kMmaK / 16; ++ks) {
-            unsigned af[2][4];
+            unsigned af[kMmaTiles][4];
 #pragma unroll
-            for (int mi = 0; mi < 2; ++mi) ldmatrix_x4(af[mi], a_slot + (mi * 16 * kMmaStride + ks * 16) * 2);
+            for (int mi = 0; mi < kMmaTiles; ++mi) ldmatrix_x4(af[mi], a_slot + (mi * 16 * kMmaStride + ks * 16) * 2);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 unsigned b[4];
                 ldmatrix_x4(b, b_slot + (j * 16 * kMmaStride + ks * 16) * 2);
 #pragma unroll
-                for (int mi = 0; mi < 2; ++mi) {
+                for (int mi = 0; mi < kMmaTiles; ++mi) {
                     mma<Mma::bf16>(acc[mi][2 * j], af[mi][0], af[mi][1], af[mi][2], af[mi][3], b[0], b[1]);
                     mma<Mma::bf16>(acc[mi][2 * j + 1], af[mi][0], af[mi][1], af[mi][2], af[mi][3], b[2], b[3]);
                 }
@@ -118,10 +120,10 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     }
 
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
+    for (int mi = 0; mi < kMmaTiles; ++mi)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int row = row0 + wm * 32 + mi * 16 + g + 8 * h;
+            const int row = row0 + mi * 16 + g + 8 * h;
             if (row >= row_end) continue;
             T* out_row = out + static_cast<size_t>(row) * n;
             if constexpr (GATED) {

@@ -24,7 +24,7 @@ TILE_N = 64
 GEMM_THREADS = 256
 SKINNY_ROWS, SKINNY_WARPS, SKINNY_W = 8, 4, 4  # moe.cu's kSkinnyRows, kSkinnyWarps, kSkinnyW
 # moe_mma.cu's kMmaRows, kMmaCols, kMmaK, kMmaStages, kMmaWarps; its rows are the tiled path's tile_rows (64).
-MMA_ROWS, MMA_COLS, MMA_K, MMA_STAGES, MMA_WARPS = 64, 128, 32, 4, 4
+MMA_ROWS, MMA_COLS, MMA_K, MMA_STAGES, MMA_WARPS = 64, 256, 32, 4, 4
 MMA_SHARED = MMA_STAGES * (MMA_ROWS + MMA_COLS) * (MMA_K + 8) * 2
 MMA_MULTIPLE = 64
 
