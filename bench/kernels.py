@@ -3,8 +3,10 @@ time, achieved GB/s and TFLOP/s, and the fraction of the measured ceilings (devi
 cuBLAS bf16 matrix rate).
 
 usage: python bench/kernels.py [--batches 1,8,64] [--contexts 4096,65536] [--reps 20] [--only moe,hc_pre]
+    [--prefill 8192]
 (--only: the kernels whose names start with one of these prefixes.) The MoE rows also run at a prefill step of
-PREFILL_TOKENS tokens, where the grouped GEMMs take the tensor cores (moe_mma.cu).
+--prefill tokens, where the grouped GEMMs take the tensor cores (moe_mma.cu), and so do prefill attention and
+the indexer, their step ending at each context.
 Bytes count each input read once and each output written once (METHOD.md). Weights and caches hold
 random values tiled from one random block; expert weights a constant (12.9 GB of them).
 Prints a table and writes bench/results/kernels.json.
@@ -326,12 +328,53 @@ def per_context(b: Bench, B: int, C: int):
     b.record("indexer top-512", B, C, select, B * n4 * 4 + B * TOPK * 4)
 
 
+def per_prefill(b: Bench, T: int, C: int):
+    """A prefill step of T tokens of one request, positions C − T … C − 1: sparse attention (the tensor-core
+    kernel; the step's own window keys from its rows, earlier ones from the cache) per layer kind, and the
+    indexer. FLOPs count the keys each row attends to or scores."""
+    E2 = BF16.itemsize
+    rng = np.random.default_rng(C + T)
+    p = np.arange(C - T, C, dtype=np.int32)
+    pos, req = b.host(p), b.host(np.zeros(T, np.int32))
+    inv = b.host((160000.0 ** (-np.arange(0, RD, 2) / RD)).astype(np.float32))
+    sink = b.host(rng.standard_normal(H).astype(np.float32))
+    q, o, rows = b.buf(T * H * HD * E2), b.buf(T * H * HD * E2, fill=False), b.buf(T * HD * E2)
+    window, _ = paged(b, 1, C, 64, HD * E2, held_from=max(0, C - T - W + 1) // 64)
+    n4, n128 = C // 4, C // 128
+    c4a, _ = paged(b, 1, n4, 64, HD * E2)
+    c128a, _ = paged(b, 1, max(1, n128), 2, HD * E2)
+    visible4, visible128 = (p + 1) // 4, (p + 1) // 128
+    sel = np.full((T, TOPK), -1, np.int32)
+    for t, v in enumerate(visible4):
+        sel[t, :min(v, TOPK)] = np.sort(rng.choice(v, min(v, TOPK), replace=False)) if v > TOPK else np.arange(v)
+    window_keys = np.minimum(p + 1, W)
+    for mode, cache, chosen, ratio, keys in (
+            ("c4a", c4a, b.host(sel).ptr, 4, window_keys + np.minimum(visible4, TOPK)),
+            ("c128a", c128a, None, 128, window_keys + visible128), ("sliding", None, None, 0, window_keys)):
+        run = attn_k.sparse_attention_mqa(b.dev, BF16, o.ptr, q.ptr, pos.ptr, req.ptr, sink.ptr, inv.ptr, window, cache,
+                                          chosen, rows=T, heads=H, head_dim=HD, rope_dim=RD, window_size=W,
+                                          ratio=ratio, top_k=TOPK if chosen else 0, step_kv=rows.ptr)
+        b.record(f"attention prefill {mode}", T, C, run, int(keys.sum()) * HD * E2 + 2 * T * H * HD * E2,
+                 4 * H * HD * float(keys.sum()))
+    keys_cache, _ = paged(b, 1, n4, 64, DI * E2)
+    qi, wi = b.buf(T * NI * DI * E2), b.host(rng.standard_normal((T, NI)).astype(np.float32))
+    scores, out = b.buf(T * n4 * 4, fill=False), b.buf(T * TOPK * 4, fill=False)
+    run = comp_k.indexer_select(b.dev, BF16, out.ptr, scores.ptr, qi.ptr, wi.ptr, keys_cache, pos.ptr, req.ptr, rows=T,
+                                heads=NI, head_dim=DI, topk=TOPK, n_max=n4, ratio=4, inv_freq=inv.ptr, rope_dim=RD)
+    scored = float(visible4.sum())
+    b.record("indexer prefill scores + top-512", T, C, run, scored * (DI * E2 + 8) + T * TOPK * 4, 2 * scored * NI * DI)
+    score, select = run.launches
+    b.record("indexer prefill scores", T, C, score, scored * (DI * E2 + 4), 2 * scored * NI * DI)
+    b.record("indexer prefill top-512", T, C, select, scored * 4 + T * TOPK * 4)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--contexts", default="4096,65536")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--only", default="", help="comma-separated kernel-name prefixes (default: all)")
+    ap.add_argument("--prefill", type=int, default=PREFILL_TOKENS, help="tokens of the prefill step's rows")
     # A driver memcpy inside a graph runs on the copy engines (2.8 TB/s measured): the copy ceiling is a
     # kernel's device-to-device copy, 4.3 TB/s on this H200 (KINDS.md), read plus write.
     ap.add_argument("--copy-gbps", type=float, default=4300.0)
@@ -342,7 +385,9 @@ def main():
         copy, mm = a.copy_gbps, matrix_rate(b, blas)
         fp8_prefill(b)
         if b.wants("moe"):
-            moe(b, blas, PREFILL_TOKENS)
+            moe(b, blas, a.prefill)
+        for C in contexts if b.wants("attention prefill") or b.wants("indexer prefill") else []:
+            per_prefill(b, a.prefill, max(C, a.prefill))
         for B in batches:
             per_batch(b, blas, B)
             for C in contexts if b.wants("attention") or b.wants("indexer") else []:
