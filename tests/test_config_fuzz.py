@@ -52,17 +52,22 @@ def _near(value):
     return ints | floats | st.floats(-4 * abs(value) - 4, 4 * abs(value) + 4) | st.just(value * 0.5)
 
 
+def _fits(node, key) -> bool:
+    """Whether key addresses a place in node (an earlier draw may have made a dict a list, or the reverse)."""
+    if isinstance(node, list):
+        return isinstance(key, int) and key < len(node)
+    return isinstance(node, dict)
+
+
 def _set(config: dict, path: tuple, value) -> None:
     node = config
     for key in path[:-1]:
-        if not isinstance(node, (dict, list)) or (isinstance(node, list) and key >= len(node)):
+        if not _fits(node, key):
             return
         if isinstance(node, dict) and key not in node:
             node[key] = {}
         node = node[key]
-    if isinstance(node, dict):
-        node[path[-1]] = value
-    elif isinstance(node, list) and path[-1] < len(node):
+    if _fits(node, path[-1]):
         node[path[-1]] = value
 
 
