@@ -5,7 +5,7 @@ cuBLAS bf16 matrix rate).
 usage: python bench/kernels.py [--batches 1,8,64] [--contexts 4096,65536] [--reps 20] [--only moe,hc_pre]
     [--prefill 8192]
 (--only: the kernels whose names start with one of these prefixes.) The MoE rows also run at a prefill step of
---prefill tokens, where the grouped GEMMs take the tensor cores (moe_mma.cu), and so do prefill attention and
+--prefill tokens, where the grouped GEMMs take the tensor cores (moe_wgmma.cu, and moe_mma.cu beside it), and so do prefill attention and
 the indexer, their step ending at each context.
 Bytes count each input read once and each output written once (METHOD.md). Weights and caches hold
 random values tiled from one random block; expert weights a constant (12.9 GB of them).
@@ -25,7 +25,7 @@ from dsv4rt.cuda.driver import check, drv
 from dsv4rt.cuda.runtime import Runtime
 from dsv4rt.model import attention as attn_k, compress as comp_k, fp8 as fp8_k, gemm_fp8, hc as hc_k
 from dsv4rt.model.gemm import Blas, grouped_linear, linear
-from dsv4rt.model.moe import ExpertWeights, MoE, MoeDims, mma_fits, pointer_table, workspace_bytes
+from dsv4rt.model.moe import ExpertWeights, MoE, MoeDims, pointer_table, workspace_bytes
 from dsv4rt.model.paged import PagedCache
 from dsv4rt.model.sample import sample
 
@@ -260,23 +260,27 @@ def moe(b: Bench, blas: Blas, B: int):
     dims = MoeDims(B, D, INTER, E, K_ACT, INTER)
     ws = b.rt.arena.alloc(workspace_bytes(dims, BF16))
     x, y = b.host(xh), b.buf(B * D * T, fill=False)
-    run = MoE(b.dev, blas, BF16, dims, x=x.ptr, y=y.ptr, gate=b.host(gate_h).ptr,
-              routed=ExpertWeights(*(t.ptr for t in tables)),
-              shared=ExpertWeights(shared.ptr, shared.ptr + per * T, shared.ptr + 2 * per * T), scaling=1.5,
-              limit=10.0, workspace=ws.ptr, bias=b.host(bias_h).ptr)
+    def layer(path=None):
+        return MoE(b.dev, blas, BF16, dims, x=x.ptr, y=y.ptr, gate=b.host(gate_h).ptr,
+                   routed=ExpertWeights(*(t.ptr for t in tables)),
+                   shared=ExpertWeights(shared.ptr, shared.ptr + per * T, shared.ptr + 2 * per * T), scaling=1.5,
+                   limit=10.0, workspace=ws.ptr, bias=b.host(bias_h).ptr, path=path)
+    run = layer()
     weights = (touched + 1) * 3 * per * T
     b.record(f"moe 256x2048 top-6 ({touched} experts)", B, 0, run, weights + gate_h.nbytes + 2 * B * D * T,
              2 * B * (K_ACT + 1) * 3 * per)
-    # The grouped expert GEMMs alone (the routing of the full run above stays in the workspace); the skinny
-    # kernel carries the shared expert, the others leave it to cuBLAS.
-    kind = "skinny" if dims.skinny else "mma" if mma_fits(BF16, INTER, D) else "tiled"
-    name = f"moe grouped gemms ({kind})"
-    before = len(b.rows)
-    b.record(name, B, 0, lambda st: [launch(st) for launch in run.grouped], weights,
-             2 * B * (K_ACT + dims.skinny) * 3 * per)
-    if not dims.skinny and len(b.rows) > before:
-        print(f"{name:34s} B={B:<5d} {b.rows[-1]['tflops']:7.1f} TFLOP/s = "
-              f"{b.rows[-1]['tflops'] / BF16_DENSE_TFLOPS:.3f} of dense bf16 ({BF16_DENSE_TFLOPS:.0f})")
+    # The grouped expert GEMMs alone, after a whole run of the layer has left its sort in the workspace; the skinny
+    # kernel carries the shared expert, the others leave it to cuBLAS. wgmma is timed beside the mma.sync kernel.
+    for r in [run] + ([layer("mma")] if run.path == "wgmma" else []):
+        r(b.st)
+        skinny = r.path == "skinny"
+        name = f"moe grouped gemms ({r.path})"
+        before = len(b.rows)
+        b.record(name, B, 0, lambda st, r=r: [launch(st) for launch in r.grouped], weights,
+                 2 * B * (K_ACT + skinny) * 3 * per)
+        if not skinny and len(b.rows) > before:
+            print(f"{name:34s} B={B:<5d} {b.rows[-1]['tflops']:7.1f} TFLOP/s = "
+                  f"{b.rows[-1]['tflops'] / BF16_DENSE_TFLOPS:.3f} of dense bf16 ({BF16_DENSE_TFLOPS:.0f})")
     experts.free()
 
 

@@ -2,11 +2,16 @@
 // dsv4rt-instantiate: fp8_prefill_gemm<__nv_bfloat16,1> fp8_prefill_gemm<__nv_bfloat16,2>
 #include "common.cuh"
 #include "fp8.cuh"
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#include "wgmma.cuh"
+#endif
 
 // The faithful-mode fp8 linear layer of prefill batches (docs/numerics.md#act-quant) on Hopper's tensor cores:
 // y [m, n] = Σ over 128-column blocks kb of (xq[:, kb] · wq[:, kb]ᵀ) · x_scale[:, kb] · w_scale[n / 128, kb], the
 // large-m counterpart of fp8.cu's fp8_skinny_gemm with the same operands (xq, x_scale from act_quant; wq [n, k],
-// w_scale [n / 128, k / 128] the checkpoint's). n and k are multiples of 128, m is any.
+// w_scale [n / 128, k / 128] the checkpoint's). n and k are multiples of 128, m is any. Grouped as fp8_skinny_gemm
+// (the fast numerics' output projection): the n columns fall into groups of group_n (a multiple of 128), group j
+// reading columns j·k.. of xq rows of (n / group_n)·k bytes and its scales likewise; group_n = n is one GEMM.
 //
 // A block owns 64·WG rows and 128 columns of y. A producer warp streams 128-column slices of both operands
 // into a ring of shared-memory stages by TMA (128-byte swizzle); WG consumer warpgroups, 64 rows each, run
@@ -55,13 +60,6 @@ __device__ __forceinline__ void tma_load(unsigned dst, const TensorMap& map, int
         ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(col), "r"(row), "r"(bar) : "memory");
 }
 
-// A K-major operand of 128-byte rows as TMA's 128-byte swizzle leaves it: 8-row groups 1024 bytes apart
-// (stride offset, bits 32-45), swizzle mode 1 (bits 62-63); the leading offset is unused for this layout.
-// Stepping k by 32 bytes moves the start address alone: the hardware swizzles the final address bits.
-__device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
-    return 1ull << 62 | static_cast<unsigned long long>(1024 >> 4) << 32 | 1ull << 16 | (addr & 0x3FFFF) >> 4;
-}
-
 // d (+)= a · bᵀ, a 64 x 32 and b 128 x 32 e4m3 in shared memory; accumulate = 0 overwrites d.
 // d[4j + c]: row lane / 4 + 8·(c / 2) of the warp's 16, column 8j + 2·(lane % 4) + c % 2.
 __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], unsigned long long a, unsigned long long b,
@@ -90,25 +88,27 @@ __device__ __forceinline__ void store_pair(__nv_bfloat16* p, float a, float b) {
 }
 #endif
 
-// x_map: xq [m, k] in boxes of min(64·WG, m) rows x 128 bytes; w_map: wq [n, k] in boxes of 128 x 128 bytes.
+// x_map: xq [m, (n / group_n)·k] in boxes of min(64·WG, m) rows x 128 bytes; w_map: wq [n, k] in boxes of 128 x 128.
 // Rows of a stage past the box hold stale bytes: they only reach rows of y that are not stored.
 template <typename OutT, int WG>
 __global__ void __launch_bounds__(128 * WG + 32, 3 - WG)
     fp8_prefill_gemm(const __grid_constant__ TensorMap x_map, const __grid_constant__ TensorMap w_map, OutT* y,
-                     const unsigned char* x_scale, const unsigned char* w_scale, int m, int n, int k, int x_box_rows) {
+                     const unsigned char* x_scale, const unsigned char* w_scale, int m, int n, int k, int x_box_rows,
+                     int group_n) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int S = kStages<WG>, A_BYTES = kWgRows * WG * kFp8Block, STAGE = kStageBytes<WG>;
     extern __shared__ unsigned char shared[];
     const unsigned base = (static_cast<unsigned>(__cvta_generic_to_shared(shared)) + 1023) & ~1023u;
     const unsigned full = base + S * STAGE, empty = full + 8 * S;  // mbarriers of stage s at + 8·s
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nkb = k / kFp8Block;
-    const int m0 = blockIdx.y * kWgRows * WG, n0 = blockIdx.x * kTileN;
+    const int m0 = blockIdx.y * kWgRows * WG, n0 = blockIdx.x * kTileN, groups = n / group_n, group = n0 / group_n;
     if (threadIdx.x == 0) {
         for (int s = 0; s < S; ++s) {
             mbar_init(full + 8 * s, 1);
             mbar_init(empty + 8 * s, 4 * WG);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;" ::: "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        fence_proxy_async();
     }
     __syncthreads();
 
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(128 * WG + 32, 3 - WG)
                 const unsigned stage = base + s * STAGE;
                 mbar_wait(empty + 8 * s, ((kb / S) & 1) ^ 1);  // a fresh barrier passes parity 1 at once
                 mbar_expect_tx(full + 8 * s, bytes);
-                tma_load(stage, x_map, kb * kFp8Block, m0, full + 8 * s);
+                tma_load(stage, x_map, group * k + kb * kFp8Block, m0, full + 8 * s);
                 tma_load(stage + A_BYTES, w_map, kb * kFp8Block, n0, full + 8 * s);
             }
         }
@@ -131,8 +131,8 @@ __global__ void __launch_bounds__(128 * WG + 32, 3 - WG)
 
     const int wg = warp >> 2, row = m0 + wg * kWgRows + 16 * (warp & 3) + (lane >> 2);  // rows row, row + 8
     const bool ok0 = row < m, ok1 = row + 8 < m;  // rows past m read row 0's scales and are not stored
-    const unsigned char* xs0 = x_scale + static_cast<size_t>(ok0 ? row : 0) * nkb;
-    const unsigned char* xs1 = x_scale + static_cast<size_t>(ok1 ? row + 8 : 0) * nkb;
+    const unsigned char* xs0 = x_scale + (static_cast<size_t>(ok0 ? row : 0) * groups + group) * nkb;
+    const unsigned char* xs1 = x_scale + (static_cast<size_t>(ok1 ? row + 8 : 0) * groups + group) * nkb;
     const unsigned char* ws = w_scale + static_cast<size_t>(n0 / kFp8Block) * nkb;
     float acc[64], part[64];
 #pragma unroll
@@ -143,11 +143,12 @@ __global__ void __launch_bounds__(128 * WG + 32, 3 - WG)
         // scale bytes loaded before the wait and used after the products: they land while the tensor cores work
         const unsigned wb = __ldg(ws + kb), xb0 = __ldg(xs0 + kb), xb1 = __ldg(xs1 + kb);
         mbar_wait(full + 8 * s, (kb / S) & 1);
-        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+        wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kFp8Block / kWgmmaK; ++ks)
             wgmma_m64n128k32(part, smem_desc(a + ks * kWgmmaK), smem_desc(b + ks * kWgmmaK), ks);
-        asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;" ::: "memory");
+        wgmma_commit();
+        wgmma_wait<0>();
         if (lane == 0) mbar_arrive(empty + 8 * s);
         const float sw = e8m0_to_float(wb), s0 = e8m0_to_float(xb0) * sw, s1 = e8m0_to_float(xb1) * sw;
 #pragma unroll

@@ -76,7 +76,7 @@ class Layer:
     inputs = layer_inputs
 
 
-def build(rt, blas, layer: Layer, dtype, tokens: int, hashed: bool, x_buf, y_buf, with_shared=True):
+def build(rt, blas, layer: Layer, dtype, tokens: int, hashed: bool, x_buf, y_buf, with_shared=True, path=None):
     from dsv4rt.model.moe import MoE, MoeDims, workspace_bytes
     bufs, routed, shared, _ = layer.on_device(rt, dtype)
     dims = MoeDims(tokens, layer.dim, layer.inter, layer.experts, layer.active, layer.inter if with_shared else 0)
@@ -85,7 +85,7 @@ def build(rt, blas, layer: Layer, dtype, tokens: int, hashed: bool, x_buf, y_buf
     moe = MoE(rt.device, blas, dtype, dims, x=x_buf.ptr, y=y_buf.ptr, gate=bufs["gate"].ptr, routed=routed,
               shared=shared if with_shared else None, scaling=layer.scaling, limit=layer.limit, workspace=ws.ptr,
               bias=None if hashed else bufs["bias"].ptr, tid2eid=bufs["tid2eid"].ptr if hashed else None,
-              ids=ids.ptr if hashed else None)
+              ids=ids.ptr if hashed else None, path=path)
     return moe, ws, ids
 
 
@@ -110,9 +110,9 @@ def check_sort(moe, ref_idx, pairs):
     assert np.array_equal(np.sort(idx.reshape(d.tokens, -1), axis=1), np.sort(ref_idx, axis=1))
     counts = np.bincount(idx, minlength=d.experts)
     assert np.array_equal(read("offsets", d.experts + 1), np.concatenate([[0], np.cumsum(counts)]))
-    tiles = -(-counts // d.tile_rows)
+    tiles = -(-counts // moe.tile_rows)
     assert np.array_equal(read("tile_offsets", d.experts + 1), np.concatenate([[0], np.cumsum(tiles)]))
-    assert tiles.sum() <= d.max_tiles
+    assert tiles.sum() <= d.max_tiles(moe.tile_rows)
     perm, pos = read("perm", pairs), read("pos", pairs)
     assert np.array_equal(np.sort(perm), np.arange(pairs)) and np.array_equal(pos[perm], np.arange(pairs))
     assert np.all(np.diff(idx[perm]) >= 0)
@@ -151,8 +151,9 @@ def test_without_shared_expert(rt, blas, tiny, dtype, tokens):
 @pytest.mark.parametrize("tokens, skinny", [(1, True), (3, True), (8, True), (64, True), (100, False)])
 def test_odd_sizes(rt, blas, odd, dtype, hashed, tokens, skinny):
     """Tiles of 1 to 8 rows, experts without rows (1 and 3 tokens) and experts of several tiles (64 tokens)."""
-    from dsv4rt.model.moe import MoeDims
-    assert MoeDims(tokens, odd.dim, odd.inter, odd.experts, odd.active, odd.inter).skinny == skinny
+    from dsv4rt.model.moe import MoeDims, grouped_path
+    dims = MoeDims(tokens, odd.dim, odd.inter, odd.experts, odd.active, odd.inter)
+    assert (grouped_path(rt.device.arch, dtype, dims) == "skinny") == skinny
     counts = run_and_compare(rt, blas, odd, dtype, tokens, hashed, seed=2000 + tokens)
     if tokens <= 3:
         assert (counts == 0).any()

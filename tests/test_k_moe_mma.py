@@ -1,6 +1,7 @@
-"""The bf16 build's grouped expert GEMM on the tensor cores (cuda_src/moe_mma.cu): alone against a float64 grouped
-GEMM on hand-made sorts (experts of 0, 1, 7, 63, 64, 130 and 200 rows, column tiles past n, 2 to 8 k steps), gated
-and not, gathered and not; then in the whole MoE layer against reference.moe.MoE at Flash-like widths."""
+"""The bf16 build's grouped expert GEMMs on the tensor cores (cuda_src/moe_mma.cu, cuda_src/moe_wgmma.cu): alone
+against a float64 grouped GEMM on hand-made sorts (experts of 0, 1, 7, 63, 64, 130 and 200 rows, column tiles past n,
+1 to 8 k steps), gated and not, gathered and not; then in the whole MoE layer against reference.moe.MoE at Flash-like
+widths; and which kernel a layer takes."""
 import numpy as np
 import pytest
 
@@ -17,16 +18,24 @@ def bf16_values(a: np.ndarray) -> np.ndarray:
     return a.astype(BF16).astype(np.float64)
 
 
+def needs_wgmma(rt, wgmma):
+    from dsv4rt.model.moe import WGMMA_ARCH
+    if wgmma and rt.device.arch != WGMMA_ARCH:
+        pytest.skip(f"wgmma runs on {WGMMA_ARCH}")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("n, k", [(128, 64), (192, 256), (64, 192)])
+@pytest.mark.parametrize("n, k", [(128, 64), (192, 256), (64, 192), (320, 512)])
 @pytest.mark.parametrize("gated, gathered", [(True, True), (False, False), (False, True)],
                          ids=["gated", "plain", "plain-gathered"])
-def test_grouped_gemm(rt, dev, n, k, gated, gathered):
-    from dsv4rt.model.moe import MMA_ROWS, grouped_mma
+@pytest.mark.parametrize("wgmma", [False, True], ids=["mma", "wgmma"])
+def test_grouped_gemm(rt, dev, n, k, gated, gathered, wgmma):
+    from dsv4rt.model.moe import MMA_ROWS, WGMMA_ROWS, grouped_mma
+    needs_wgmma(rt, wgmma)
     rng = np.random.default_rng(n + k + 2 * gated + gathered)
     experts, pairs = len(COUNTS), int(COUNTS.sum())
     offsets = np.concatenate([[0], np.cumsum(COUNTS)]).astype(np.int32)
-    tiles = -(-COUNTS // MMA_ROWS)
+    tiles = -(-COUNTS // (WGMMA_ROWS if wgmma else MMA_ROWS))
     tile_offsets = np.concatenate([[0], np.cumsum(tiles)]).astype(np.int32)
     perm = rng.permutation(pairs).astype(np.int32)
     a = bf16_values(rng.standard_normal((pairs // ACTIVE if gathered else pairs, k)))
@@ -50,7 +59,7 @@ def test_grouped_gemm(rt, dev, n, k, gated, gathered):
     dperm, dweight = dev(perm), dev(weight)
     grouped_mma(rt.device, BF16, out.ptr, dev(a.astype(BF16)).ptr, dperm.ptr if gathered else None, ACTIVE,
                 dweight.ptr if gated else None, tables[0].ptr, tables[1].ptr if gated else None, dev(offsets).ptr,
-                dev(tile_offsets).ptr, experts, int(tiles.sum()) + 3, n, k, limit)(rt.stream)
+                dev(tile_offsets).ptr, experts, int(tiles.sum()) + 3, n, k, limit, wgmma=wgmma)(rt.stream)
     y = fetch(rt, out, (pairs + SPARE, n), BF16).astype(np.float64)
     assert np.isnan(y[pairs:]).all()
     y = y[:pairs]
@@ -64,7 +73,7 @@ def test_grouped_gemm(rt, dev, n, k, gated, gathered):
 def test_refuses_other_operands(dtype, n, k):
     from dsv4rt.model.moe import grouped_mma, mma_fits
     assert not mma_fits(dtype, n, k)
-    with pytest.raises(ValueError, match="multiples of 64"):
+    with pytest.raises(ValueError, match="bf16 operands with n and k multiples of 64"):
         grouped_mma(None, dtype, 0, 0, None, 1, None, 0, None, 0, 0, 8, 1, n, k, 1.0)
 
 
@@ -78,14 +87,29 @@ def wide():
 @pytest.mark.parametrize("tokens", [200, 700])
 @pytest.mark.parametrize("hashed", [False, True], ids=["routed", "hash"])
 @pytest.mark.parametrize("with_shared", [True, False], ids=["shared", "no-shared"])
-def test_layer(rt, blas, wide, tokens, hashed, with_shared):
-    with ran(rt, blas, wide, build, BF16, tokens, hashed, seed=5000 + tokens, with_shared=with_shared) as (
-            moe, x, ids, y):
-        assert [launch.kernel.name for launch in moe.grouped] == ["moe_gemm_mma<true>", "moe_gemm_mma<false>"]
+@pytest.mark.parametrize("path", ["mma", "wgmma"])
+def test_layer(rt, blas, wide, tokens, hashed, with_shared, path):
+    needs_wgmma(rt, path == "wgmma")
+    with ran(rt, blas, wide, build, BF16, tokens, hashed, seed=5000 + tokens, with_shared=with_shared,
+             path=path) as (moe, x, ids, y):
+        assert [launch.kernel.name for launch in moe.grouped] == [f"moe_gemm_{path}<true>", f"moe_gemm_{path}<false>"]
         ref = wide.reference(hashed, with_shared)
         err = rel_rows(y, ref(x, ids)).max()
         assert err < 1e-2, err
         counts = check_sort(moe, ref.route(x, ids)[0], tokens * wide.active)
-    assert (counts % 64).any()
+    assert (counts % moe.tile_rows).any()
     if tokens == 700:
         assert counts.max() > 2 * 64
+
+
+@pytest.mark.parametrize("tokens, experts, dtype, arch, path", [
+    (64, 32, BF16, "sm_90a", "wgmma"),      # flash-slice's batch of 64: 12 rows an expert
+    (64, 32, BF16, "sm_80", "mma"),
+    (16, 32, BF16, "sm_90a", "skinny"),     # 3 rows an expert
+    (64, 256, BF16, "sm_90a", "skinny"),    # Flash's batch of 64: 1.5 rows an expert
+    (64, 32, np.float32, "sm_90a", "skinny"),
+    (100, 32, np.float32, "sm_90a", "tiled"),
+])
+def test_grouped_path(tokens, experts, dtype, arch, path):
+    from dsv4rt.model.moe import MoeDims, grouped_path
+    assert grouped_path(arch, dtype, MoeDims(tokens, 4096, 2048, experts, 6, 2048)) == path

@@ -1,11 +1,11 @@
 """Mixture of experts on the GPU (twin: dsv4rt/reference/moe.py). One bound sequence, no host
 synchronisation, so a CUDA graph can hold it: gate GEMM (cuBLAS, fp32 logits) → routing → counting
 sort of the (token, slot) pairs by expert → grouped GEMM w1/w3 + clamped SwiGLU times the routing weight →
-grouped GEMM w2 → shared expert → the sum of each token's rows. Decode batches (a few rows per expert) take the
+grouped GEMM w2 → shared expert → the sum of each token's rows. Batches whose experts see a few rows each take the
 skinny grouped GEMM, which streams each expert's weights once per 8 rows and carries the shared expert as extra
-row tiles (H200, bf16 Flash, 1 token: 94 us for the 7 experts' 352 MB, 3.75 TB/s); longer batches the 64-row
-tiled one (on the tensor cores for bf16 with dim and inter multiples of 64, cuda_src/moe_mma.cu) and cuBLAS for
-the shared expert."""
+row tiles (H200, bf16 Flash, 1 token: 94 us for the 7 experts' 352 MB, 3.75 TB/s); larger ones a tiled grouped
+GEMM (`grouped_path`): wgmma on sm_90a (cuda_src/moe_wgmma.cu) or mma.sync (cuda_src/moe_mma.cu) for bf16 with dim
+and inter multiples of 64, else moe.cu's, and cuBLAS for the shared expert."""
 from __future__ import annotations
 
 import ctypes
@@ -23,10 +23,18 @@ MAX_EXPERTS, MAX_ACTIVE = 384, 8  # moe.cu's kMaxExperts, kMaxActive
 TILE_N = 64
 GEMM_THREADS = 256
 SKINNY_ROWS, SKINNY_WARPS, SKINNY_W = 8, 4, 4  # moe.cu's kSkinnyRows, kSkinnyWarps, kSkinnyW
-# moe_mma.cu's kMmaRows, kMmaCols, kMmaK, kMmaStages, kMmaWarps; its rows are the tiled path's tile_rows (64).
+# moe_mma.cu's kMmaRows, kMmaCols, kMmaK, kMmaStages, kMmaWarps
 MMA_ROWS, MMA_COLS, MMA_K, MMA_STAGES, MMA_WARPS = 64, 256, 32, 4, 4
 MMA_SHARED = MMA_STAGES * (MMA_ROWS + MMA_COLS) * (MMA_K + 8) * 2
 MMA_MULTIPLE = 64
+# moe_wgmma.cu's kWgRows, kWgCols, kWgK, kWgStages, kWgThreads; its stages start 1024-aligned
+WGMMA_ROWS, WGMMA_COLS, WGMMA_K, WGMMA_STAGES, WGMMA_THREADS = 128, 256, 64, 4, 256
+WGMMA_SHARED = WGMMA_STAGES * (WGMMA_ROWS + WGMMA_COLS) * WGMMA_K * 2 + 1024
+WGMMA_ARCH = "sm_90a"
+# With tensor cores the tiled path reads each expert once however many rows it has, the skinny kernel once per 8:
+# skinny only while experts average at most this many rows (without, while they average at most 16).
+SKINNY_MEAN_TENSOR, SKINNY_MEAN = 4, 16
+TILE_ROWS = dict(skinny=SKINNY_ROWS, wgmma=WGMMA_ROWS, mma=MMA_ROWS, tiled=64)
 
 
 @dataclass(frozen=True)
@@ -42,21 +50,20 @@ class MoeDims:
     def pairs(self) -> int:
         return self.tokens * self.active
 
-    @property
-    def tile_rows(self) -> int:
-        """Rows of a grouped-GEMM tile: SKINNY_ROWS (the skinny kernel) while experts see at most 16 rows each
-        on average (decode), else 64."""
-        return SKINNY_ROWS if self.pairs <= 16 * min(self.experts, self.pairs) else 64
-
-    @property
-    def skinny(self) -> bool:
-        return self.tile_rows == SKINNY_ROWS
-
-    @property
-    def max_tiles(self) -> int:
+    def max_tiles(self, tile_rows: int) -> int:
         """Row tiles over all experts, whatever the routing: each holds a row, and only the last of each
         expert is partial."""
-        return min(self.pairs, -(-self.pairs // self.tile_rows) + min(self.experts, self.pairs))
+        return min(self.pairs, -(-self.pairs // tile_rows) + min(self.experts, self.pairs))
+
+
+def grouped_path(arch: str | None, dtype, d: MoeDims) -> str:
+    """The grouped GEMMs' kernel, a key of TILE_ROWS, for a device of this arch."""
+    tensor = mma_fits(dtype, d.inter, d.dim)
+    if d.pairs <= (SKINNY_MEAN_TENSOR if tensor else SKINNY_MEAN) * min(d.experts, d.pairs):
+        return "skinny"
+    if not tensor:
+        return "tiled"
+    return "wgmma" if arch == WGMMA_ARCH else "mma"
 
 
 def _layout(d: MoeDims, dtype) -> dict[str, int]:
@@ -154,22 +161,29 @@ def mma_fits(dtype, n: int, k: int) -> bool:
 
 def grouped_mma(device: Device, dtype, out: int, a: int, perm: int | None, active: int, weight: int | None,
                 w_first: int, w_second: int | None, offsets: int, tile_offsets: int, experts: int, tiles: int,
-                n: int, k: int, limit: float) -> Launch:
-    """moe_gemm<bf16, 64, GATED>'s grouped GEMM on the tensor cores (cuda_src/moe_mma.cu), GATED when w_second is
-    given: out [rows, n] over the rows sorted by moe_sort into MMA_ROWS-row tiles (`tiles` of them at most)."""
+                n: int, k: int, limit: float, *, wgmma: bool = False) -> Launch:
+    """moe_gemm<bf16, 64, GATED>'s grouped GEMM on the tensor cores, GATED when w_second is given: out [rows, n] over
+    the rows sorted by moe_sort into row tiles (`tiles` of them at most) of WGMMA_ROWS (wgmma, cuda_src/moe_wgmma.cu,
+    sm_90a) or MMA_ROWS (mma.sync, cuda_src/moe_mma.cu)."""
     if not mma_fits(dtype, n, k):
-        raise ValueError(f"moe_gemm_mma takes bf16 operands with n and k multiples of {MMA_MULTIPLE}, not "
-                         f"{np.dtype(dtype)} with n {n}, k {k}")
+        raise ValueError(f"the tensor-core grouped GEMM takes bf16 operands with n and k multiples of {MMA_MULTIPLE}, "
+                         f"not {np.dtype(dtype)} with n {n}, k {k}")
     gated = w_second is not None
     if gated and (perm is None or weight is None):
         raise ValueError("the gated GEMM scales its rows by their routing weight[perm[row]]")
     P, I = ctypes.c_void_p, ctypes.c_int
-    fn = device.kernel("moe_mma", f"moe_gemm_mma<{'true' if gated else 'false'}>", declared("moe_mma"))
-    fn.allow_shared(MMA_SHARED)
-    cols = MMA_COLS // 2 if gated else MMA_COLS
-    return fn.bind((-(-n // cols), tiles), 32 * MMA_WARPS, [
+    g = "true" if gated else "false"
+    if wgmma:
+        fn = device.kernel("moe_wgmma", f"moe_gemm_wgmma<{g}>", declared("moe_wgmma"))
+        cols, threads, shared = WGMMA_COLS, WGMMA_THREADS, WGMMA_SHARED
+    else:
+        fn = device.kernel("moe_mma", f"moe_gemm_mma<{g}>", declared("moe_mma"))
+        cols, threads, shared = MMA_COLS, 32 * MMA_WARPS, MMA_SHARED
+    fn.allow_shared(shared)
+    cols = cols // 2 if gated else cols
+    return fn.bind((-(-n // cols), tiles), threads, [
         P(out), P(a), P(perm or 0), I(active), P(weight or 0), P(w_first), P(w_second or 0), P(offsets),
-        P(tile_offsets), I(experts), I(n), I(k), ctypes.c_float(limit)], shared=MMA_SHARED)
+        P(tile_offsets), I(experts), I(n), I(k), ctypes.c_float(limit)], shared=shared)
 
 
 def shared_expert(device: Device, blas: Blas, dtype, d: MoeDims, at: dict[str, int], x: int, shared: ExpertWeights,
@@ -206,37 +220,40 @@ class MoE:
 
     def __init__(self, device: Device, blas: Blas, dtype, dims: MoeDims, *, x: int, y: int, gate: int,
                  routed: ExpertWeights, shared: ExpertWeights | None, scaling: float, limit: float,
-                 workspace: int, bias: int | None = None, tid2eid: int | None = None, ids: int | None = None):
+                 workspace: int, bias: int | None = None, tid2eid: int | None = None, ids: int | None = None,
+                 path: str | None = None):
         d = dims
         check_layer(d, shared, bias, tid2eid, ids, 8, "16-byte vectors")
         t = storage_name(dtype)
         at = {k: workspace + v for k, v in _layout(d, dtype).items()}
         self.dims, self.scratch = d, at
+        self.path = path or grouped_path(device.arch, dtype, d)
+        self.tile_rows = bm = TILE_ROWS[self.path]
+        max_tiles = d.max_tiles(bm)
         P, I, V = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-        bm = d.tile_rows
         launches = route_and_sort(device, blas, dtype, d, at, x, gate, scaling, bm, bias=bias, tid2eid=tid2eid,
                                   ids=ids)
         # The skinny kernel carries the shared expert as row tiles of its own when its shapes match.
-        fold = d.skinny and shared is not None and d.shared_inter == d.inter
-        if d.skinny:
+        fold = self.path == "skinny" and shared is not None and d.shared_inter == d.inter
+        if self.path == "skinny":
             s_rows = d.tokens if fold else 0
-            tiles = d.max_tiles + -(-s_rows // SKINNY_ROWS)
+            tiles = max_tiles + -(-s_rows // SKINNY_ROWS)
             s1, s3, s2 = (shared.w1, shared.w3, shared.w2) if fold else (0, 0, 0)
             self.grouped = [
                 kernel(device, f"moe_skinny<{t},true>").bind(
                     (-(-d.inter // (SKINNY_WARPS * SKINNY_W // 2)), tiles), 32 * SKINNY_WARPS, [
                     P(at["hidden"]), P(x), P(at["perm"]), I(d.active), P(at["weight"]), P(routed.w1), P(routed.w3),
-                    P(at["offsets"]), P(at["tile_offsets"]), I(d.experts), I(d.max_tiles), P(at["shared_h"]), P(x),
+                    P(at["offsets"]), P(at["tile_offsets"]), I(d.experts), I(max_tiles), P(at["shared_h"]), P(x),
                     P(s1), P(s3), I(s_rows), I(d.inter), I(d.dim), V(limit)]),
                 kernel(device, f"moe_skinny<{t},false>").bind(
                     (-(-d.dim // (SKINNY_WARPS * SKINNY_W)), tiles), 32 * SKINNY_WARPS, [
                     P(at["expert_out"]), P(at["hidden"]), P(0), I(d.active), P(0), P(routed.w2), P(0),
-                    P(at["offsets"]), P(at["tile_offsets"]), I(d.experts), I(d.max_tiles), P(at["shared_out"]),
+                    P(at["offsets"]), P(at["tile_offsets"]), I(d.experts), I(max_tiles), P(at["shared_out"]),
                     P(at["shared_h"]), P(s2), P(0), I(s_rows), I(d.dim), I(d.inter), V(limit)]),
             ]
-        elif mma_fits(dtype, d.inter, d.dim):
+        elif self.path in ("wgmma", "mma"):
             common = dict(offsets=at["offsets"], tile_offsets=at["tile_offsets"], experts=d.experts,
-                          tiles=d.max_tiles, limit=limit)
+                          tiles=max_tiles, limit=limit, wgmma=self.path == "wgmma")
             self.grouped = [
                 grouped_mma(device, dtype, at["hidden"], x, at["perm"], d.active, at["weight"], routed.w1, routed.w3,
                             n=d.inter, k=d.dim, **common),
@@ -245,11 +262,11 @@ class MoE:
             ]
         else:
             self.grouped = [
-                kernel(device, f"moe_gemm<{t},{bm},true>").bind((-(-d.inter // TILE_N), d.max_tiles),
+                kernel(device, f"moe_gemm<{t},{bm},true>").bind((-(-d.inter // TILE_N), max_tiles),
                                                                 GEMM_THREADS, [
                     P(at["hidden"]), P(x), P(at["perm"]), I(d.active), P(at["weight"]), P(routed.w1), P(routed.w3),
                     P(at["offsets"]), P(at["tile_offsets"]), I(d.experts), I(d.inter), I(d.dim), V(limit)]),
-                kernel(device, f"moe_gemm<{t},{bm},false>").bind((-(-d.dim // TILE_N), d.max_tiles),
+                kernel(device, f"moe_gemm<{t},{bm},false>").bind((-(-d.dim // TILE_N), max_tiles),
                                                                  GEMM_THREADS, [
                     P(at["expert_out"]), P(at["hidden"]), P(0), I(d.active), P(0), P(routed.w2), P(0),
                     P(at["offsets"]), P(at["tile_offsets"]), I(d.experts), I(d.dim), I(d.inter), V(limit)]),

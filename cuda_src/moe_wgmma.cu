@@ -1,0 +1,132 @@
+// dsv4rt-instantiate: moe_gemm_wgmma<true> moe_gemm_wgmma<false>
+#include "common.cuh"
+#include "moe.cuh"
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#include "wgmma.cuh"
+#endif
+
+// moe_mma.cu's grouped expert GEMM on Hopper's warpgroup MMA (sm_90a; other targets compile a stub and the
+// launcher never picks it): the same operands and results, row tiles of kWgRows. A block takes kWgRows sorted rows
+// (two warpgroups of 64, wgmma m64n256k16) and kWgCols weight rows (GATED: 128 columns of w1 and of w3 interleaved
+// 8 by 8, so that a thread holds g and u of the same element) over k in steps of kWgK. The rows are gathered
+// through perm, which TMA cannot do, so every thread copies with cp.async into the 128-byte swizzle wgmma reads;
+// a step's copies are issued two steps ahead, and a step's wgmma runs while the next step is being issued.
+constexpr int kWgRows = 128, kWgCols = 256, kWgK = 64, kWgStages = 4, kWgThreads = 256;
+constexpr int kWgABytes = kWgRows * kWgK * 2, kWgStageBytes = (kWgRows + kWgCols) * kWgK * 2;
+
+// Arguments as moe_gemm_mma (moe_sort with tile_rows kWgRows); grid (ceil(n / (GATED ? 128 : 256)), row tiles),
+// kWgThreads threads, dynamic shared memory kWgStages · kWgStageBytes + 1024 (the stages start 1024-aligned).
+// n and k must be multiples of 64, a and the weights 16-byte aligned.
+template <bool GATED>
+__global__ void __launch_bounds__(kWgThreads, 1)
+    moe_gemm_wgmma(__nv_bfloat16* out, const __nv_bfloat16* a, const int* perm, int active, const float* weight,
+                   const unsigned long long* w_first, const unsigned long long* w_second, const int* offsets,
+                   const int* tile_offsets, int experts, int n, int k, float limit) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using T = __nv_bfloat16;
+    constexpr int A_COPIES = kWgRows * 8 / kWgThreads, B_COPIES = kWgCols * 8 / kWgThreads;  // 16-byte copies a step
+    constexpr int COLS = GATED ? kWgCols / 2 : kWgCols;
+    extern __shared__ unsigned char smem_raw[];
+    const unsigned base = (smem_u32(smem_raw) + 1023) & ~1023u;
+
+    const int tile = blockIdx.y;
+    if (tile >= tile_offsets[experts]) return;
+    const int e = tile_expert(tile_offsets, experts, tile);
+    const int row0 = offsets[e] + (tile - tile_offsets[e]) * kWgRows, row_end = offsets[e + 1];
+    const int col0 = blockIdx.x * COLS;
+
+    // Thread t copies chunk t % 8 of tile rows t / 8 + 32i; rows 32 apart share their swizzle. Rows past the expert
+    // or past n read nothing and land as zeros.
+    const int part = threadIdx.x & 7, copy_row = threadIdx.x >> 3;
+    const T* a_src[A_COPIES];
+    bool a_ok[A_COPIES];
+#pragma unroll
+    for (int i = 0; i < A_COPIES; ++i) {
+        const int r = row0 + copy_row + 32 * i;
+        a_ok[i] = r < row_end;
+        a_src[i] = a + (a_ok[i] ? static_cast<size_t>(perm ? perm[r] / active : r) * k : 0) + part * 8;
+    }
+    const T* b_src[B_COPIES];
+    bool b_ok[B_COPIES];
+#pragma unroll
+    for (int i = 0; i < B_COPIES; ++i) {
+        const int j = copy_row + 32 * i;
+        const bool second = GATED && (j >> 3 & 1);
+        const int c = col0 + (GATED ? (j >> 4) * 8 + (j & 7) : j);
+        const T* w = reinterpret_cast<const T*>((second ? w_second : w_first)[e]);
+        b_ok[i] = c < n;
+        b_src[i] = w + (b_ok[i] ? static_cast<size_t>(c) * k : 0) + part * 8;
+    }
+    const unsigned copy_at = swizzled(copy_row, part);
+    const int steps = k / kWgK;
+    auto load = [&](int step) {  // always commits a group, empty past the last step, so that the waits count alike
+        if (step < steps) {
+            const unsigned stage = base + (step % kWgStages) * kWgStageBytes + copy_at;
+            const int k0 = step * kWgK;
+#pragma unroll
+            for (int i = 0; i < A_COPIES; ++i) cp_async16_or_zero(stage + 32 * i * 128, a_src[i] + k0, a_ok[i]);
+#pragma unroll
+            for (int i = 0; i < B_COPIES; ++i)
+                cp_async16_or_zero(stage + kWgABytes + 32 * i * 128, b_src[i] + k0, b_ok[i]);
+        }
+        cp_async_commit();
+    };
+
+    const int wg = threadIdx.x >> 7;
+    float acc[128];
+#pragma unroll
+    for (int s = 0; s < kWgStages - 2; ++s) load(s);
+    for (int step = 0; step < steps; ++step) {
+        cp_async_wait<kWgStages - 3>();
+        fence_proxy_async();
+        // Every thread's copies of this step have landed, and every warpgroup is done with step - 2 (its
+        // wgmma_wait<1> below), whose slot the next load takes.
+        __syncthreads();
+        load(step + kWgStages - 2);
+        const unsigned stage = base + (step % kWgStages) * kWgStageBytes;
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kWgK / 16; ++ks)
+            wgmma_bf16_m64n256k16(acc, smem_desc(stage + wg * 64 * 128 + 32 * ks),
+                                  smem_desc(stage + kWgABytes + 32 * ks), step > 0 || ks > 0);
+        wgmma_commit();
+        wgmma_wait<1>();
+    }
+    wgmma_wait<0>();
+
+    const int lane = threadIdx.x & 31, l4 = lane & 3;
+    const int row_base = row0 + wg * 64 + ((threadIdx.x >> 5) & 3) * 16 + (lane >> 2);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = row_base + 8 * h;
+        if (row >= row_end) continue;
+        T* out_row = out + static_cast<size_t>(row) * n;
+        if constexpr (GATED) {
+            // n8 block 2p holds w1, block 2p + 1 w3 of output columns 8p..
+            const float scale = weight[perm[row]];
+#pragma unroll
+            for (int p = 0; p < kWgCols / 16; ++p) {
+                const int col = col0 + p * 8 + 2 * l4;
+                float v[2];
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const float gv = fminf(acc[8 * p + 2 * h + c], limit);
+                    const float uv = fminf(fmaxf(acc[8 * p + 4 + 2 * h + c], -limit), limit);
+                    v[c] = gv * sigmoid(gv) * uv * scale;
+                }
+                if (col < n) *reinterpret_cast<__nv_bfloat162*>(out_row + col) = __floats2bfloat162_rn(v[0], v[1]);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < kWgCols / 8; ++j) {
+                const int col = col0 + 8 * j + 2 * l4;
+                if (col < n)
+                    *reinterpret_cast<__nv_bfloat162*>(out_row + col) =
+                        __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            }
+        }
+    }
+#else
+    __trap();
+#endif
+}

@@ -1,0 +1,47 @@
+// Hopper warpgroup MMA (sm_90a only: include under __CUDA_ARCH_FEAT_SM90_ALL) on K-major operands of 128-byte
+// rows in shared memory, swizzled as TMA's 128-byte mode leaves them (chunk c of row r at chunk c ^ (r % 8)).
+#pragma once
+
+// 8-row groups 1024 bytes apart (stride offset, bits 32-45), swizzle mode 1 (bits 62-63); the leading offset is
+// unused for this layout. Stepping k by 32 bytes moves the start address alone: the hardware swizzles the final
+// address bits.
+__device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
+    return 1ull << 62 | static_cast<unsigned long long>(1024 >> 4) << 32 | 1ull << 16 | (addr & 0x3FFFF) >> 4;
+}
+
+// The byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile.
+__device__ __forceinline__ unsigned swizzled(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+
+// Writes by the generic proxy (st.shared, cp.async) become visible to wgmma's reads.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+#define DSV4RT_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+    "+f"(d[i + 6]), "+f"(d[i + 7])
+#define DSV4RT_D32(i) DSV4RT_D8(i), DSV4RT_D8(i + 8), DSV4RT_D8(i + 16), DSV4RT_D8(i + 24)
+
+// d (+)= a · bᵀ, a 64 x 16 and b 256 x 16 bf16 in shared memory, fp32 accumulators; accumulate = 0 overwrites d.
+// d[4j + c]: row lane / 4 + 8·(c / 2) of the warp's 16, column 8j + 2·(lane % 4) + c % 2.
+__device__ __forceinline__ void wgmma_bf16_m64n256k16(float (&d)[128], unsigned long long a, unsigned long long b,
+                                                      int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1, 0, 0;\n}"
+        : DSV4RT_D32(0), DSV4RT_D32(32), DSV4RT_D32(64), DSV4RT_D32(96)
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+#undef DSV4RT_D32
+#undef DSV4RT_D8
