@@ -115,7 +115,7 @@ def test_prefill_table(monkeypatch, tmp_path):
     row = benchmarks.prefill_row(fs, 8192, 0.5, 790.0, "chunks of 127")
     assert row == dict(tokens=8192, seconds=0.5, tokens_per_s=16384.0, gflop_per_token=42357179285504 / 8192e9,
                        tflops=42357179285504 / 0.5e12, fraction=42357179285504 / 0.5e12 / 790, note="chunks of 127")
-    monkeypatch.setattr(benchmarks, "prefill", lambda model_dir, lengths, ceiling: [
+    monkeypatch.setattr(benchmarks, "prefill", lambda model_dir, lengths, ceiling, reps: [
         benchmarks.prefill_row(fs, T, T / 4000, ceiling, "chunks of 127") for T in lengths])
     out = tmp_path / "p.json"
     r = CliRunner().invoke(main, ["bench", "prefill", "--model", str(tmp_path), "--tokens", "8192,1048576",

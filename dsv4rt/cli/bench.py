@@ -94,12 +94,14 @@ def decode(model_dir, batches, contexts, reps, copy_gbps, json_path):
 @bench.command()
 @click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False))
 @click.option("--tokens", default="8192,65536", show_default=True, callback=_prompt_lengths)
+@click.option("--reps", default=3, show_default=True, type=click.IntRange(1),
+              help="timed runs per length after a warm one (the median); prompts over 64K run once")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
-def prefill(model_dir, tokens, json_path):
+def prefill(model_dir, tokens, reps, json_path):
     """Prefill throughput of one prompt of each length (random token ids), through the chunked forward, with the
     FLOPs a token costs (dsv4rt/model/roofline.py) and the fraction of the bf16 ceiling achieved."""
     from .. import benchmarks
-    rows = benchmarks.prefill(model_dir, tokens, BF16_TFLOPS)
+    rows = benchmarks.prefill(model_dir, tokens, BF16_TFLOPS, reps=reps)
     _table(rows, ["tokens", "seconds", "tokens_per_s", "gflop_per_token", "tflops", "fraction", "note"])
     _write(json_path, dict(kind="prefill", bf16_tflops=BF16_TFLOPS, rows=rows))
 
