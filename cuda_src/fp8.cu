@@ -1,4 +1,4 @@
-// dsv4rt-instantiate: act_quant<float> act_quant<__nv_bfloat16>
+// dsv4rt-instantiate: act_quant<float> act_quant<__nv_bfloat16> act_round<__nv_bfloat16>
 // dsv4rt-instantiate: dequantize_weight<float> dequantize_weight<__nv_bfloat16>
 // dsv4rt-instantiate: fp8_skinny_gemm<float,E4m3Bytes,1> fp8_skinny_gemm<float,E4m3Bytes,2>
 // dsv4rt-instantiate: fp8_skinny_gemm<__nv_bfloat16,E4m3Bytes,1> fp8_skinny_gemm<__nv_bfloat16,E4m3Bytes,2>
@@ -9,28 +9,14 @@
 
 // Faithful-mode fp8 (docs/numerics.md#act-quant): the activation quantiser in front of every GEMM whose weight is
 // stored in fp8, and the decode GEMM of such a weight; formats in fp8.cuh.
-constexpr float kE4m3Max = 448.f;
 using E4m3Bytes = unsigned char;  // act_quant-ed activations: a name for the instantiation lists
 
 // Four elements of T in one access (p aligned to four elements).
 template <typename T> struct alignas(4 * sizeof(T)) Quad { T e[4]; };
 
-// reference.quant.act_quant as bytes: per row and block of 128 columns (the last may be shorter),
-// s = 2^ceil(log2(max(amax, 1e-4) / 448)), its e8m0 byte in scale [rows, ceil(k/128)], and q [rows, k] =
-// e4m3(x / s) rounded to nearest even. The quotient amax / 448 is rounded to float32 before its exponent is
-// taken, as numpy does. A block holding NaN or ±inf gets s = 1, as in the reference (frexp of a non-finite
-// ratio gives exponent 0): its infinities and finite values above 448 saturate to ±448, NaN stays NaN.
-// One warp per block of a row, four columns a lane.
+// One warp's block of a row for act_quant and act_round: columns col.. (four a lane) of x, and the block's scale byte.
 template <typename T>
-__global__ void __launch_bounds__(256) act_quant(unsigned char* q, unsigned char* scale, const T* x, int rows, int k) {
-    const int lane = threadIdx.x & 31, nkb = (k + kFp8Block - 1) / kFp8Block;
-    const long long task = static_cast<long long>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (task >= static_cast<long long>(rows) * nkb) return;  // whole warps
-    const int row = static_cast<int>(task / nkb), kb = static_cast<int>(task % nkb), col = kb * kFp8Block + 4 * lane;
-    const size_t at = static_cast<size_t>(row) * k + col;
-    const bool vec = k % 4 == 0 && (reinterpret_cast<unsigned long long>(x) % sizeof(Quad<T>)) == 0 &&
-                     (reinterpret_cast<unsigned long long>(q) & 3) == 0;
-    float v[4];
+__device__ __forceinline__ unsigned act_block(const T* x, size_t at, int col, int k, bool vec, float (&v)[4]) {
     if (vec && col < k) {
         const Quad<T> quad = *reinterpret_cast<const Quad<T>*>(x + at);
 #pragma unroll
@@ -44,21 +30,26 @@ __global__ void __launch_bounds__(256) act_quant(unsigned char* q, unsigned char
 #pragma unroll
     for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(v[i])), finite &= isfinite(v[i]);
     amax = warp_max(amax);  // fmaxf drops NaN: non-finite blocks are told apart by the vote instead
-    unsigned byte = 127;
-    if (__all_sync(0xffffffffu, finite)) {
-        const unsigned r = __float_as_uint(__fdiv_rn(fmaxf(amax, 1e-4f), kE4m3Max));  // a positive normal float
-        byte = (r >> 23) + ((r & 0x7fffffu) != 0);  // the exponent of 2^ceil(log2 r), biased by 127 like e8m0
-    }
-    const float inv = __uint_as_float((254u - byte) << 23);  // 1 / s, exact: byte stays within [105, 247]
-    unsigned packed = 0;
-#pragma unroll
-    for (int i = 0; i < 4; i += 2) {
-        float2 p = make_float2(v[i] * inv, v[i + 1] * inv);
-        // ±inf to ±448 explicitly, as the reference's min(·, 448); NaN passes to the conversion's NaN
-        if (!isnan(p.x)) p.x = fminf(fmaxf(p.x, -kE4m3Max), kE4m3Max);
-        if (!isnan(p.y)) p.y = fminf(fmaxf(p.y, -kE4m3Max), kE4m3Max);
-        packed |= static_cast<unsigned>(__nv_cvt_float2_to_fp8x2(p, __NV_SATFINITE, __NV_E4M3)) << (8 * i);
-    }
+    return act_scale_byte(amax, __all_sync(0xffffffffu, finite));
+}
+
+// reference.quant.act_quant as bytes: per row and block of 128 columns (the last may be shorter), the e8m0 byte of
+// s (act_scale_byte) in scale [rows, ceil(k/128)], and q [rows, k] = e4m3(x / s) (act_codes): infinities and finite
+// values above 448 of a non-finite block saturate to ±448, NaN stays NaN. One warp per block of a row, four columns
+// a lane.
+template <typename T>
+__global__ void __launch_bounds__(256) act_quant(unsigned char* q, unsigned char* scale, const T* x, int rows, int k) {
+    const int lane = threadIdx.x & 31, nkb = (k + kFp8Block - 1) / kFp8Block;
+    const long long task = static_cast<long long>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (task >= static_cast<long long>(rows) * nkb) return;  // whole warps
+    const int row = static_cast<int>(task / nkb), kb = static_cast<int>(task % nkb), col = kb * kFp8Block + 4 * lane;
+    const size_t at = static_cast<size_t>(row) * k + col;
+    const bool vec = k % 4 == 0 && (reinterpret_cast<unsigned long long>(x) % sizeof(Quad<T>)) == 0 &&
+                     (reinterpret_cast<unsigned long long>(q) & 3) == 0;
+    float v[4];
+    const unsigned byte = act_block(x, at, col, k, vec, v);
+    const float inv = act_inverse(byte);
+    const unsigned packed = act_codes(v[0], v[1], inv) | static_cast<unsigned>(act_codes(v[2], v[3], inv)) << 16;
     if (vec && col < k) {
         *reinterpret_cast<unsigned*>(q + at) = packed;
     } else {
@@ -67,6 +58,35 @@ __global__ void __launch_bounds__(256) act_quant(unsigned char* q, unsigned char
             if (col + i < k) q[at + i] = static_cast<unsigned char>(packed >> (8 * i));
     }
     if (lane == 0) scale[static_cast<size_t>(row) * nkb + kb] = static_cast<unsigned char>(byte);
+}
+
+// out [rows, k] = the values act_quant represents, e4m3(x / s) · s, exact in T (the inputs of tensor-core GEMMs that
+// widen both operands to bf16). Launched as act_quant; out may be x.
+template <typename T>
+__global__ void __launch_bounds__(256) act_round(T* out, const T* x, int rows, int k) {
+    const int lane = threadIdx.x & 31, nkb = (k + kFp8Block - 1) / kFp8Block;
+    const long long task = static_cast<long long>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (task >= static_cast<long long>(rows) * nkb) return;
+    const int row = static_cast<int>(task / nkb), kb = static_cast<int>(task % nkb), col = kb * kFp8Block + 4 * lane;
+    const size_t at = static_cast<size_t>(row) * k + col;
+    const bool vec = k % 4 == 0 && (reinterpret_cast<unsigned long long>(x) % sizeof(Quad<T>)) == 0 &&
+                     (reinterpret_cast<unsigned long long>(out) % sizeof(Quad<T>)) == 0;
+    float v[4];
+    const unsigned byte = act_block(x, at, col, k, vec, v);
+    const float inv = act_inverse(byte), s = __uint_as_float(byte << 23);
+    Quad<T> r;
+#pragma unroll
+    for (int i = 0; i < 4; i += 2) {
+        const float2 e = e4m3x2_value(act_codes(v[i], v[i + 1], inv));
+        r.e[i] = from_float<T>(e.x * s), r.e[i + 1] = from_float<T>(e.y * s);
+    }
+    if (vec && col < k) {
+        *reinterpret_cast<Quad<T>*>(out + at) = r;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            if (col + i < k) out[at + i] = r.e[i];
+    }
 }
 
 // Bytes 2h and 2h + 1 of four e4m3 values as a bf16 pair, by moving bits (conversion instructions run at a quarter

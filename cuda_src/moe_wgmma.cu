@@ -1,5 +1,7 @@
-// dsv4rt-instantiate: moe_gemm_wgmma<true> moe_gemm_wgmma<false>
+// dsv4rt-instantiate: moe_gemm_wgmma<true,false> moe_gemm_wgmma<false,false>
+// dsv4rt-instantiate: moe_gemm_wgmma<true,true> moe_gemm_wgmma<false,true>
 #include "common.cuh"
+#include "fp8.cuh"
 #include "moe.cuh"
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #include "wgmma.cuh"
@@ -11,23 +13,84 @@
 // 8 by 8, so that a thread holds g and u of the same element) over k in steps of kWgK. The rows are gathered
 // through perm, which TMA cannot do, so every thread copies with cp.async into the 128-byte swizzle wgmma reads;
 // a step's copies are issued two steps ahead, and a step's wgmma runs while the next step is being issued.
+//
+// FP4 (the experts as released, faithful numerics): the weights are packed e2m1 [n, k/2] with an e8m0 scale per
+// 1 x 32, widened to bf16 in shared memory (exact: e2m1 times a power of two), and a is act_round's bf16 (the
+// e4m3 values act_quant represents, exact too), so each product is the reference's and the sums are fp32. The
+// packed bytes and scales stream into raw stages; before its wgmma each step is widened into one of two bf16
+// tiles. GATED FP4 rounds its output as act_quant would (per row and 128 columns: one block's tile) for w2.
 constexpr int kWgRows = 128, kWgCols = 256, kWgK = 64, kWgStages = 4, kWgThreads = 256;
-constexpr int kWgABytes = kWgRows * kWgK * 2, kWgStageBytes = (kWgRows + kWgCols) * kWgK * 2;
+constexpr int kWgABytes = kWgRows * kWgK * 2, kWgBBytes = kWgCols * kWgK * 2;
+constexpr int kWgPacked = kWgCols * kWgK / 2, kWgRawBytes = kWgPacked + kWgCols * 4;  // packed rows, then scales
 
-// Arguments as moe_gemm_mma (moe_sort with tile_rows kWgRows); grid (ceil(n / (GATED ? 128 : 256)), row tiles),
-// kWgThreads threads, dynamic shared memory kWgStages · kWgStageBytes + 1024 (the stages start 1024-aligned).
-// n and k must be multiples of 64, a and the weights 16-byte aligned.
-template <bool GATED>
+// The dynamic shared memory of a block: kWgStages stages of a and b (FP4: raw b, then two widened b tiles), 1024
+// more for the alignment of the swizzled tiles.
+template <bool FP4>
+constexpr int kWgShared = FP4 ? kWgStages * (kWgABytes + kWgRawBytes) + 2 * kWgBBytes + 1024
+                              : kWgStages * (kWgABytes + kWgBBytes) + 1024;
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Eight e2m1 codes (low nibble first) times 2^(scale - 127) as four bf16 pairs. Sign and magnitude bits land where
+// bf16 keeps them, which reads the value times 2^-126 (0.5 as a subnormal); two exact bf16 multiplies restore it.
+__device__ __forceinline__ uint4 widen_e2m1x8(unsigned w, unsigned scale) {
+    const unsigned short sb = scale == 0 ? 0x0040 : scale == 255 ? 0x7fc0 : scale << 7;  // e8m0 0 is 2^-127
+    const __nv_bfloat162 up = __floats2bfloat162_rn(0x1p126f, 0x1p126f);
+    const __nv_bfloat162 sc = __halves2bfloat162(__ushort_as_bfloat16(sb), __ushort_as_bfloat16(sb));
+    unsigned out[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned b = w >> (8 * i);
+        const unsigned bits = (b & 7) << 6 | (b & 8) << 12 | (b & 0x70) << 18 | (b & 0x80) << 24;
+        const __nv_bfloat162 v = __hmul2(__hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), up), sc);
+        out[i] = *reinterpret_cast<const unsigned*>(&v);
+    }
+    return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// v: this lane's values of its row's 128 output columns (the other three lanes of its quad hold the rest), rounded
+// onto the grid act_quant gives that block: e4m3(v / s) · s.
+template <int P>
+__device__ __forceinline__ void round_as_act_quant(float (&v)[P][2]) {
+    const unsigned quad = 0xfu << (threadIdx.x & 28);
+    float amax = 0.f;
+    int finite = 1;
+#pragma unroll
+    for (int p = 0; p < P; ++p)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) amax = fmaxf(amax, fabsf(v[p][c])), finite &= isfinite(v[p][c]);
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(quad, amax, o));  // drops NaN: the vote tells non-finite blocks apart
+        finite &= __shfl_xor_sync(quad, finite, o);
+    }
+    const unsigned byte = act_scale_byte(amax, finite);
+    const float inv = act_inverse(byte), s = __uint_as_float(byte << 23);
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+        const float2 e = e4m3x2_value(act_codes(v[p][0], v[p][1], inv));
+        v[p][0] = e.x * s, v[p][1] = e.y * s;
+    }
+}
+#endif
+
+// Arguments as moe_gemm_mma (moe_sort with tile_rows kWgRows), FP4 with the scale tables s_first, s_second; grid
+// (ceil(n / (GATED ? 128 : 256)), row tiles), kWgThreads threads, dynamic shared memory kWgShared<FP4>. n and k must
+// be multiples of 64 (FP4: of 128), a and the weights 16-byte aligned (FP4 scales: 4-byte).
+template <bool GATED, bool FP4>
 __global__ void __launch_bounds__(kWgThreads, 1)
     moe_gemm_wgmma(__nv_bfloat16* out, const __nv_bfloat16* a, const int* perm, int active, const float* weight,
-                   const unsigned long long* w_first, const unsigned long long* w_second, const int* offsets,
+                   const unsigned long long* w_first, const unsigned long long* w_second,
+                   const unsigned long long* s_first, const unsigned long long* s_second, const int* offsets,
                    const int* tile_offsets, int experts, int n, int k, float limit) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using T = __nv_bfloat16;
-    constexpr int A_COPIES = kWgRows * 8 / kWgThreads, B_COPIES = kWgCols * 8 / kWgThreads;  // 16-byte copies a step
+    // 16-byte copies of a step: a rows (8 a row), b rows (bf16: 8 a row; FP4: 2 packed a row, and 4 bytes of scales)
+    constexpr int A_COPIES = kWgRows * 8 / kWgThreads, B_COPIES = kWgCols * (FP4 ? 2 : 8) / kWgThreads;
     constexpr int COLS = GATED ? kWgCols / 2 : kWgCols;
+    constexpr int STAGE = kWgABytes + (FP4 ? kWgRawBytes : kWgBBytes);
     extern __shared__ unsigned char smem_raw[];
     const unsigned base = (smem_u32(smem_raw) + 1023) & ~1023u;
+    const unsigned widened = base + kWgStages * STAGE;  // FP4: the two bf16 b tiles (STAGE is a multiple of 1024)
 
     const int tile = blockIdx.y;
     if (tile >= tile_offsets[experts]) return;
@@ -46,30 +109,64 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         a_ok[i] = r < row_end;
         a_src[i] = a + (a_ok[i] ? static_cast<size_t>(perm ? perm[r] / active : r) * k : 0) + part * 8;
     }
-    const T* b_src[B_COPIES];
-    bool b_ok[B_COPIES];
-#pragma unroll
-    for (int i = 0; i < B_COPIES; ++i) {
-        const int j = copy_row + 32 * i;
+    // b row j of the tile: GATED interleaves w1 and w3 8 rows at a time.
+    const auto weight_row = [&](int j, const unsigned long long* firsts, const unsigned long long* seconds,
+                                size_t row_bytes, bool& ok) {
         const bool second = GATED && (j >> 3 & 1);
         const int c = col0 + (GATED ? (j >> 4) * 8 + (j & 7) : j);
-        const T* w = reinterpret_cast<const T*>((second ? w_second : w_first)[e]);
-        b_ok[i] = c < n;
-        b_src[i] = w + (b_ok[i] ? static_cast<size_t>(c) * k : 0) + part * 8;
-    }
+        ok = c < n;
+        return reinterpret_cast<const unsigned char*>((second ? seconds : firsts)[e]) + (ok ? c * row_bytes : 0);
+    };
+    // bf16: thread t copies chunk t % 8 of b rows t / 8 + 32i (swizzled as a); FP4: chunk t % 2 of the packed rows
+    // t / 2 + 128i, and the 4 scale bytes of row t that cover the step's 128-column block.
+    const int b_part = FP4 ? threadIdx.x & 1 : part, b_row = FP4 ? threadIdx.x >> 1 : copy_row;
+    const unsigned char* b_src[B_COPIES];
+    bool b_ok[B_COPIES];
+#pragma unroll
+    for (int i = 0; i < B_COPIES; ++i)
+        b_src[i] = weight_row(b_row + (FP4 ? 128 : 32) * i, w_first, w_second, FP4 ? k / 2 : k * 2, b_ok[i]) +
+                   b_part * 16;
+    bool s_ok = false;
+    const unsigned char* s_src = FP4 ? weight_row(threadIdx.x, s_first, s_second, k / 32, s_ok) : nullptr;
     const unsigned copy_at = swizzled(copy_row, part);
     const int steps = k / kWgK;
     auto load = [&](int step) {  // always commits a group, empty past the last step, so that the waits count alike
         if (step < steps) {
-            const unsigned stage = base + (step % kWgStages) * kWgStageBytes + copy_at;
+            const unsigned stage = base + (step % kWgStages) * STAGE;
             const int k0 = step * kWgK;
 #pragma unroll
-            for (int i = 0; i < A_COPIES; ++i) cp_async16_or_zero(stage + 32 * i * 128, a_src[i] + k0, a_ok[i]);
+            for (int i = 0; i < A_COPIES; ++i)
+                cp_async16_or_zero(stage + copy_at + 32 * i * 128, a_src[i] + k0, a_ok[i]);
+            if constexpr (FP4) {
+                const unsigned raw = stage + kWgABytes;
 #pragma unroll
-            for (int i = 0; i < B_COPIES; ++i)
-                cp_async16_or_zero(stage + kWgABytes + 32 * i * 128, b_src[i] + k0, b_ok[i]);
+                for (int i = 0; i < B_COPIES; ++i)
+                    cp_async16_or_zero(raw + (b_row + 128 * i) * (kWgK / 2) + b_part * 16, b_src[i] + k0 / 2,
+                                       b_ok[i]);
+                cp_async4_or_zero(raw + kWgPacked + threadIdx.x * 4, s_src + k0 / 128 * 4, s_ok);
+            } else {
+#pragma unroll
+                for (int i = 0; i < B_COPIES; ++i)
+                    cp_async16_or_zero(stage + kWgABytes + copy_at + 32 * i * 128, b_src[i] + 2 * k0, b_ok[i]);
+            }
         }
         cp_async_commit();
+    };
+    // FP4: thread t widens b row t of a step's raw stage into a bf16 tile (8 chunks of 8 values).
+    auto widen = [&](int step) {
+        const unsigned char* raw = smem_raw + (base - smem_u32(smem_raw)) + (step % kWgStages) * STAGE + kWgABytes;
+        const uint4* packed = reinterpret_cast<const uint4*>(raw + threadIdx.x * (kWgK / 2));
+        const unsigned scales = *reinterpret_cast<const unsigned*>(raw + kWgPacked + threadIdx.x * 4);
+        const int block = (step * kWgK) % 128 / 32;  // the step's first 32-column block within the scale word
+        unsigned char* tile = smem_raw + (widened - smem_u32(smem_raw)) + (step & 1) * kWgBBytes;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const uint4 p = packed[h];
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+                *reinterpret_cast<uint4*>(tile + swizzled(threadIdx.x, 4 * h + q)) =
+                    widen_e2m1x8(word(p, q), scales >> (8 * (block + h)) & 0xff);
+        }
     };
 
     const int wg = threadIdx.x >> 7;
@@ -83,12 +180,20 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         // wgmma_wait<1> below), whose slot the next load takes.
         __syncthreads();
         load(step + kWgStages - 2);
-        const unsigned stage = base + (step % kWgStages) * kWgStageBytes;
+        const unsigned stage = base + (step % kWgStages) * STAGE;
+        unsigned b_tile = stage + kWgABytes;
+        if constexpr (FP4) {
+            // the widened tile of step - 2, which this one overwrites, is done with (the barrier above)
+            widen(step);
+            fence_proxy_async();
+            __syncthreads();
+            b_tile = widened + (step & 1) * kWgBBytes;
+        }
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kWgK / 16; ++ks)
-            wgmma_bf16_m64n256k16(acc, smem_desc(stage + wg * 64 * 128 + 32 * ks),
-                                  smem_desc(stage + kWgABytes + 32 * ks), step > 0 || ks > 0);
+            wgmma_bf16_m64n256k16(acc, smem_desc(stage + wg * 64 * 128 + 32 * ks), smem_desc(b_tile + 32 * ks),
+                                  step > 0 || ks > 0);
         wgmma_commit();
         wgmma_wait<1>();
     }
@@ -104,17 +209,21 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         if constexpr (GATED) {
             // n8 block 2p holds w1, block 2p + 1 w3 of output columns 8p..
             const float scale = weight[perm[row]];
+            float v[kWgCols / 16][2];
 #pragma unroll
-            for (int p = 0; p < kWgCols / 16; ++p) {
-                const int col = col0 + p * 8 + 2 * l4;
-                float v[2];
+            for (int p = 0; p < kWgCols / 16; ++p)
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                     const float gv = fminf(acc[8 * p + 2 * h + c], limit);
                     const float uv = fminf(fmaxf(acc[8 * p + 4 + 2 * h + c], -limit), limit);
-                    v[c] = gv * sigmoid(gv) * uv * scale;
+                    v[p][c] = gv * sigmoid(gv) * uv * scale;
                 }
-                if (col < n) *reinterpret_cast<__nv_bfloat162*>(out_row + col) = __floats2bfloat162_rn(v[0], v[1]);
+            if constexpr (FP4) round_as_act_quant(v);
+#pragma unroll
+            for (int p = 0; p < kWgCols / 16; ++p) {
+                const int col = col0 + p * 8 + 2 * l4;
+                if (col < n)
+                    *reinterpret_cast<__nv_bfloat162*>(out_row + col) = __floats2bfloat162_rn(v[p][0], v[p][1]);
             }
         } else {
 #pragma unroll

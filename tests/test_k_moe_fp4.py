@@ -178,7 +178,7 @@ class Layer:
 
     inputs = layer_inputs
 
-def build(rt, blas, layer: Layer, dtype, tokens: int, hashed: bool, x_buf, y_buf):
+def build(rt, blas, layer: Layer, dtype, tokens: int, hashed: bool, x_buf, y_buf, path=None):
     from dsv4rt.model.moe import MoeDims
     from dsv4rt.model.moe_fp4 import Fp4MoE, workspace_bytes
     routed, shared, gate = layer.on_device(rt, dtype)
@@ -187,7 +187,7 @@ def build(rt, blas, layer: Layer, dtype, tokens: int, hashed: bool, x_buf, y_buf
     moe = Fp4MoE(rt.device, blas, dtype, dims, x=x_buf.ptr, y=y_buf.ptr, gate=gate, routed=routed, shared=shared,
                  scaling=layer.scaling, limit=layer.limit, workspace=ws.ptr,
                  bias=None if hashed else layer.bias_buf.ptr, tid2eid=layer.tid2eid_buf.ptr if hashed else None,
-                 ids=ids.ptr if hashed else None)
+                 ids=ids.ptr if hashed else None, path=path)
     return moe, ws, ids
 
 
@@ -199,12 +199,13 @@ def routed_sets(moe) -> np.ndarray:
     return np.sort(idx, axis=1)
 
 
-def run_and_compare(rt, blas, layer: Layer, dtype, tokens: int, hashed: bool, seed: int):
-    with ran(rt, blas, layer, build, dtype, tokens, hashed, seed) as (moe, x, ids, y):
+def run_and_compare(rt, blas, layer: Layer, dtype, tokens: int, hashed: bool, seed: int, path=None):
+    with ran(rt, blas, layer, build, dtype, tokens, hashed, seed, path=path) as (moe, x, ids, y):
         ref_moe = layer.reference(hashed)
         assert np.array_equal(routed_sets(moe), np.sort(ref_moe.route(x, ids)[0], axis=1))
         err = rel_rows(y, ref_moe(x, ids)).max()
         assert err < 1e-2, err
+        return moe
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +244,40 @@ def test_wide_scale_spread(rt, blas, wide, dtype, tokens):
 
 def test_graph_replay_on_new_tokens(rt, blas, flash):
     check_graph_replay(rt, blas, flash, build)
+
+
+# --- prefill batches on wgmma -----------------------------------------------------------------------------------
+
+def test_act_round_is_act_quant_dequantised(rt):
+    """Rows of 300 (a short last block), values over 40 binades, a zero block, inf and NaN: bit for bit."""
+    from dsv4rt.model.moe_fp4 import act_round
+    rng = np.random.default_rng(7)
+    x = bf16_grid(rng.standard_normal((33, 300)).astype(np.float32) * 2.0 ** rng.integers(-20, 20, (33, 1)))
+    x[3, :128] = 0
+    x[5, 7], x[6, 200], x[6, 201] = np.inf, np.nan, -np.inf
+    dx = upload(rt, x.astype(BF16))
+    act_round(rt.device, BF16, dx.ptr, dx.ptr, *x.shape)(rt.stream)
+    y = fetch(rt, dx, x.shape, BF16).astype(np.float32)
+    want = quant.act_quant(x).astype(BF16).astype(np.float32)
+    assert np.array_equal(np.isnan(y), np.isnan(want))
+    assert np.array_equal(np.nan_to_num(y), np.nan_to_num(want))
+    dx.free()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hashed", [False, True], ids=["routed", "hash"])
+@pytest.mark.parametrize("layer_name, tokens", [("flash", 200), ("flash", 700), ("wide", 300)])
+def test_wgmma(rt, blas, request, layer_name, tokens, hashed):
+    """Experts of one partial to several 128-row tiles (700 x 6 of 32: 131 rows on average), and block scales over
+    21 binades (wide), which the widening to bf16 keeps exact."""
+    from dsv4rt.model.moe import WGMMA_ARCH
+    if rt.device.arch != WGMMA_ARCH:
+        pytest.skip(f"wgmma runs on {WGMMA_ARCH}")
+    moe = run_and_compare(rt, blas, request.getfixturevalue(layer_name), BF16, tokens, hashed, seed=4000 + tokens,
+                          path="wgmma")
+    names = [launch.kernel.name for launch in moe.launches if hasattr(launch, "kernel")]
+    assert "moe_gemm_wgmma<true,true>" in names and "moe_gemm_wgmma<false,true>" in names
+
 
 
 # --- a released-format checkpoint, uploaded raw -----------------------------------------------------------------

@@ -113,3 +113,16 @@ def test_layer(rt, blas, wide, tokens, hashed, with_shared, path):
 def test_grouped_path(tokens, experts, dtype, arch, path):
     from dsv4rt.model.moe import MoeDims, grouped_path
     assert grouped_path(arch, dtype, MoeDims(tokens, 4096, 2048, experts, 6, 2048)) == path
+
+
+@pytest.mark.parametrize("tokens, dim, inter, dtype, arch, path", [
+    (8192, 4096, 2048, BF16, "sm_90a", "wgmma"),
+    (8192, 4096, 2048, BF16, "sm_80", "skinny"),       # no wgmma
+    (8192, 4096, 2048, np.float32, "sm_90a", "skinny"),
+    (8192, 160, 96, BF16, "sm_90a", "skinny"),         # widths off the 128 grid
+    (16, 4096, 2048, BF16, "sm_90a", "skinny"),        # 3 rows an expert
+])
+def test_fp4_path(tokens, dim, inter, dtype, arch, path):
+    from dsv4rt.model.moe import MoeDims
+    from dsv4rt.model.moe_fp4 import fp4_path
+    assert fp4_path(arch, dtype, MoeDims(tokens, dim, inter, 32, 6, inter)) == path

@@ -4,7 +4,10 @@ act_quant in front of every expert GEMM): routed experts in packed e2m1 with e8m
 sequence without host synchronisation, as moe.MoE, whose routing, sort, SwiGLU and combine kernels it runs:
 gate GEMM → routing → counting sort into 8-row tiles → act_quant(x) → routed w1/w3 (fp4) and shared w1/w3 (fp8)
 into fp32 g, u → clamped SwiGLU over all rows, routed rows times their routing weight → act_quant(h) → routed w2
-(fp4), shared w2 (fp8) → the sum of each token's rows. Each 8-row tile reads its expert's weights once: meant for decode. Not yet part of GpuModel."""
+(fp4), shared w2 (fp8) → the sum of each token's rows. Each 8-row tile reads its expert's weights once: meant for decode.
+Batches whose experts see more rows (`fp4_path`) run the routed experts on wgmma instead (cuda_src/moe_wgmma.cu):
+act_round's bf16 copy of x against the e2m1 weights widened to bf16 in shared memory, the SwiGLU output rounded as
+act_quant would in the same kernel, and the shared expert on the prefill fp8 GEMM (gemm_fp8)."""
 from __future__ import annotations
 
 import ctypes
@@ -16,9 +19,10 @@ from ..cuda.build import declared
 from ..cuda.device import Device, Launch
 from ..cuda.ops import storage_name
 from .paged import NOTHING
-from . import fp8
+from . import fp8, gemm_fp8
 from .gemm import Blas
-from .moe import MoeDims, check_layer, combine, packed_offsets, route_and_sort, swiglu
+from .moe import (WGMMA_ROWS, MoeDims, check_layer, combine, grouped_mma, grouped_path, packed_offsets,
+                  route_and_sort, swiglu)
 
 TILE_ROWS = 8       # kFp4Rows: activation rows of a tile
 TILE_COLUMNS = 16   # output columns of a block
@@ -47,6 +51,24 @@ class Fp4Experts(ScaledWeights):
 class Fp8Expert(ScaledWeights):
     """The shared expert: e4m3 w1, w3 [inter, dim], w2 [dim, inter] and e8m0 scales per 128 x 128 tile."""
 
+
+
+def fp4_path(arch: str | None, dtype, d: MoeDims) -> str:
+    """"wgmma" where moe.grouped_path takes it and the widths are multiples of 128 (a scale word a step), else
+    "skinny"."""
+    wide = d.dim % 128 == 0 and d.inter % 128 == 0
+    return "wgmma" if wide and grouped_path(arch, dtype, d) == "wgmma" else "skinny"
+
+
+def act_round(device: Device, dtype, out: int, x: int, rows: int, k: int) -> Launch:
+    """out [rows, k] = the values fp8.act_quant gives x [rows, k], exact in the storage dtype (cuda_src/fp8.cu)."""
+    if rows == 0:
+        return NOTHING
+    kernel = device.kernel("fp8", f"act_round<{storage_name(dtype)}>", declared("fp8"))
+    tasks = rows * fp8.scale_columns(k)
+    P = ctypes.c_void_p
+    return kernel.bind(-(-tasks // fp8.QUANT_WARPS), 32 * fp8.QUANT_WARPS,
+                       [P(out), P(x), ctypes.c_int(rows), ctypes.c_int(k)])
 
 
 def routed_tiles(pairs: int, experts: int) -> int:
@@ -95,6 +117,7 @@ def _layout(d: MoeDims, dtype) -> dict[str, int]:
                  xq=d.tokens * d.dim, xs=d.tokens * fp8.scale_columns(d.dim), g=rows * d.inter * f4,
                  u=rows * d.inter * f4, hidden=rows * d.inter * f4, hq=rows * d.inter,
                  hs=rows * fp8.scale_columns(d.inter), expert_out=d.pairs * d.dim * t,
+                 x_round=d.tokens * d.dim * t, h_round=d.pairs * d.inter * t,
                  shared_out=d.tokens * d.dim * f4 if d.shared_inter else 0)
     return packed_offsets(sizes)
 
@@ -111,20 +134,29 @@ class Fp4MoE:
 
     def __init__(self, device: Device, blas: Blas, dtype, dims: MoeDims, *, x: int, y: int, gate: int,
                  routed: Fp4Experts, shared: Fp8Expert | None, scaling: float, limit: float, workspace: int,
-                 bias: int | None = None, tid2eid: int | None = None, ids: int | None = None):
+                 bias: int | None = None, tid2eid: int | None = None, ids: int | None = None, path: str | None = None):
         d = dims
         check_layer(d, shared, bias, tid2eid, ids, BLOCK, "packed e2m1 rows of 16-byte vectors")
         if d.shared_inter not in (0, d.inter):
             raise ValueError(f"the shared expert's inter {d.shared_inter} differs from the routed {d.inter}")
         at = {k: workspace + v for k, v in _layout(d, dtype).items()}
         self.dims, self.scratch = d, at
+        self.path = path or fp4_path(device.arch, dtype, d)
+        self.tile_rows = WGMMA_ROWS if self.path == "wgmma" else TILE_ROWS
+        launches = route_and_sort(device, blas, dtype, d, at, x, gate, scaling, self.tile_rows, bias=bias,
+                                  tid2eid=tid2eid, ids=ids)
+        launches += (self._wgmma if self.path == "wgmma" else self._skinny)(device, dtype, d, at, x, routed, shared,
+                                                                            limit)
+        launches.append(combine(device, dtype, d, at, y, shared is not None))
+        self.launches = launches if d.tokens else []
+
+    @staticmethod
+    def _skinny(device, dtype, d, at, x, routed, shared, limit) -> list[Launch]:
         F, D, T = d.inter, d.dim, d.tokens
         s_rows = T if shared is not None else 0
         rows = s_rows + d.pairs
         tiles = routed_tiles(d.pairs, d.experts)
-        launches = route_and_sort(device, blas, dtype, d, at, x, gate, scaling, TILE_ROWS, bias=bias, tid2eid=tid2eid,
-                                  ids=ids)
-        launches += [
+        launches = [
             fp8.act_quant(device, dtype, at["xq"], at["xs"], x, T, D),
             expert_gemm(device, np.float32, at["g"] + 4 * s_rows * F, at["xq"], at["xs"], routed.w1, routed.w1_scale,
                         at["offsets"], at["tile_offsets"], d.experts, tiles, F, D, perm=at["perm"], active=d.active,
@@ -144,8 +176,31 @@ class Fp4MoE:
         if shared is not None:
             launches.append(fp8.skinny_gemm(device, np.float32, at["shared_out"], at["hq"], at["hs"], shared.w2,
                                             shared.w2_scale, T, D, F))
-        launches.append(combine(device, dtype, d, at, y, shared is not None))
-        self.launches = launches if T else []
+        return launches
+
+    @staticmethod
+    def _wgmma(device, dtype, d, at, x, routed, shared, limit) -> list[Launch]:
+        F, D, T = d.inter, d.dim, d.tokens
+        common = dict(offsets=at["offsets"], tile_offsets=at["tile_offsets"], experts=d.experts,
+                      tiles=d.max_tiles(WGMMA_ROWS), limit=limit, wgmma=True)
+        launches = [
+            act_round(device, dtype, at["x_round"], x, T, D),
+            grouped_mma(device, dtype, at["h_round"], at["x_round"], at["perm"], d.active, at["weight"], routed.w1,
+                        routed.w3, n=F, k=D, scales=(routed.w1_scale, routed.w3_scale), **common),
+            grouped_mma(device, dtype, at["expert_out"], at["h_round"], None, d.active, None, routed.w2, None, n=D,
+                        k=F, scales=(routed.w2_scale, None), **common),
+        ]
+        if shared is not None:
+            launches += [
+                fp8.act_quant(device, dtype, at["xq"], at["xs"], x, T, D),
+                gemm_fp8.fp8_gemm(device, at["xq"], at["xs"], shared.w1, shared.w1_scale, at["g"], T, F, D, np.float32),
+                gemm_fp8.fp8_gemm(device, at["xq"], at["xs"], shared.w3, shared.w3_scale, at["u"], T, F, D, np.float32),
+                swiglu(device, np.float32, at["hidden"], at["g"], at["u"], T, F, limit),
+                fp8.act_quant(device, np.float32, at["hq"], at["hs"], at["hidden"], T, F),
+                gemm_fp8.fp8_gemm(device, at["hq"], at["hs"], shared.w2, shared.w2_scale, at["shared_out"], T, D, F,
+                                  np.float32),
+            ]
+        return launches
 
     def __call__(self, stream):
         for launch in self.launches:
