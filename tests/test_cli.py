@@ -276,6 +276,29 @@ def test_flash_slice_preset_has_flash_sizes():
     assert 8.5e9 < params < 8.8e9  # 17 GB of bf16
 
 
+def test_fast_numerics_are_taken(tmp_path):
+    """tiny-a stores no weight in fp8, so fast computes faithful's logits; fast plans faithful's caches."""
+    f = np.load(TINY_A / "faithful_fp32.npz")
+    out = logits_of(tmp_path, f["input_ids"], "--numerics", "fast", "--device", "cpu")
+    assert rel_rows(out, f["logits_full"]).max() < 1e-4
+    plans = {}
+    for numerics in ("faithful", "fast"):
+        r = run("plan", "--model", TINY_A, "--context", 4096, "--numerics", numerics, "--json")
+        assert r.exit_code == 0, r.stderr
+        plans[numerics] = json.loads(r.stdout)
+    assert plans["fast"].pop("numerics") == "fast" and plans["faithful"].pop("numerics") == "faithful"
+    assert plans["fast"] == plans["faithful"]
+
+
+@pytest.mark.parametrize("args", [["chat", TINY_A, "-p", "hi"], ["generate", TINY_A, "--prompts", "p.txt"],
+                                  ["logits", TINY_A, "--ids", "ids.npy", "--out", "o.npy"], ["serve", TINY_A],
+                                  ["plan", "--model", TINY_A]], ids=lambda a: a[0])
+def test_numerics_are_checked(args):
+    r = run(*args, "--numerics", "fastest")
+    assert assert_one_line_error(r, code=2) == \
+        "error: Invalid value for '--numerics': 'fastest' is not one of 'exact', 'faithful', 'fast'."
+
+
 def test_faithful_numerics_may_ask_for_the_gpu(tmp_path):
     """--numerics faithful has a GPU path: without a GPU the refusal names the device, not the numerics."""
     from dsv4rt.cuda.driver import gpu_visible

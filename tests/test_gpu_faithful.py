@@ -42,11 +42,12 @@ CHUNKS, SPLIT = [100, 1, 150, 49], 250   # chunked and token-by-token runs of th
 
 
 class Case:
-    """A model folder, its prompt and the faithful reference's runs over it (computed on first use)."""
+    """A model folder, its prompt and the reference's runs over it in the given numerics (computed on first use)."""
 
-    def __init__(self, path, ids, chunks, split):
+    def __init__(self, path, ids, chunks, split, numerics="faithful"):
         self.path, self.ids, self.chunks, self.split = path, np.asarray(ids, np.int64), list(chunks), int(split)
-        self.ref = load_model(path, "faithful")
+        self.numerics = numerics
+        self.ref = load_model(path, numerics)
         self._runs = {}
 
     @property
@@ -97,9 +98,9 @@ _models = {}
 
 def gpu_model(rt, case: Case, dtype):
     from dsv4rt.model.forward import GpuModel
-    key = (str(case.path), np.dtype(dtype))
+    key = (str(case.path), np.dtype(dtype), case.numerics)
     if key not in _models:
-        _models[key] = GpuModel(case.path, dtype, runtime=rt, max_len=1024, kv_bytes=256 << 20, numerics="faithful")
+        _models[key] = GpuModel(case.path, dtype, runtime=rt, max_len=1024, kv_bytes=256 << 20, numerics=case.numerics)
     m = _models[key]
     m.reset()
     return m

@@ -1,7 +1,8 @@
 """cuda_src/fp8.cu against the numpy reference (docs/numerics.md#act-quant): act_quant byte for byte against
 reference.quant.act_quant, the fp8 decode GEMM against reference.ops.Linear on the dequantised weight with
 act_quant on its input (the faithful fp8 linear layer), at Flash and odd sizes; the W8A16 form (wo_a: fp8 weight,
-unquantised input, grouped) against numpy on the dequantised weight, and the weight expansion bit for bit."""
+unquantised input, grouped) and the fast numerics' grouped fp8 x fp8 form against numpy on the dequantised weight,
+and the weight expansion bit for bit."""
 import functools
 
 import ml_dtypes
@@ -234,6 +235,25 @@ def test_w8a16_grouped_gemm(rt, dev, dtype, tol, groups, n, k, m):
     want = grouped_reference(x.astype(np.float32), dequant_fp8(wq.view(ml_dtypes.float8_e4m3fn), ws), groups)
     assert rel_rows(fetch(rt, dy, (m, groups * n), dtype), want).max() < tol
 
+
+
+@pytest.mark.parametrize("dtype, tol", [(np.float32, 1e-5), (BF16, 1e-2)])
+@pytest.mark.parametrize("groups, n, k", WO_A + [(2, 128, 128)])   # and tests/test_gpu_faithful.py's "mid"
+@pytest.mark.parametrize("m", [1, 16, 17, 300])
+def test_fast_output_projection(rt, dev, dtype, tol, groups, n, k, m):
+    """The fast numerics' wo_a (linear_fp8 with group_n): x quantised per group row, as reference.attention's
+    round_o, then the grouped fp8 x fp8 GEMM (bf16 prefill batches of 128-multiple widths: the wgmma kernel)."""
+    from dsv4rt.model import fp8
+    from dsv4rt.model.linear_fp8 import linear_fp8
+    wq, ws, _ = fp8_weight(groups * n, k)
+    x = activations(m, groups * k).astype(dtype)
+    dq, ds = dev(np.zeros((m * groups, k), np.uint8)), dev(np.zeros((m * groups, fp8.scale_columns(k)), np.uint8))
+    dy = dev(np.full((m, groups * n), np.nan, dtype))
+    linear_fp8(rt.device, dtype, dev(x).ptr, dev(wq).ptr, dev(ws).ptr, dy.ptr, m, groups * n, k, xq=dq.ptr, xs=ds.ptr,
+               group_n=n)(rt.stream)
+    rounded = quant.act_quant(x.astype(np.float32).reshape(m, groups, k)).reshape(m, groups * k)
+    want = grouped_reference(rounded, dequant_fp8(wq.view(ml_dtypes.float8_e4m3fn), ws), groups)
+    assert rel_rows(fetch(rt, dy, (m, groups * n), dtype).astype(np.float32), want).max() < tol
 
 def test_w8a16_gemm_passes_inf_and_nan_where_numpy_does(rt, dev):
     from dsv4rt.model import fp8

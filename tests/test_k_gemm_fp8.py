@@ -44,13 +44,13 @@ def activations(m: int, k: int) -> np.ndarray:
     return (rng.standard_normal((m, k)) * mag).astype(np.float32)
 
 
-def run_gemm(rt, dev, out_dtype, xq, xs, wq, ws, m, n, k, warpgroups):
+def run_gemm(rt, dev, out_dtype, xq, xs, wq, ws, m, n, k, warpgroups, group_n=None):
     """y from the GPU; the rows of its last block past m are checked to keep their sentinel."""
     from dsv4rt.model import gemm_fp8
     rows = -(-m // 128) * 128
     dy = dev(np.full((rows, n), SENTINEL, out_dtype))
     gemm_fp8.fp8_gemm(rt.device, dev(xq).ptr, dev(xs).ptr, dev(wq).ptr, dev(ws).ptr, dy.ptr, m, n, k, out_dtype,
-                      warpgroups=warpgroups)(rt.stream)
+                      warpgroups=warpgroups, group_n=group_n)(rt.stream)
     y = fetch(rt, dy, (rows, n), out_dtype).astype(np.float32)
     assert (y[m:] == SENTINEL).all(), "rows past m written"
     return y[:m]
@@ -67,6 +67,22 @@ def test_prefill_gemm_matches_the_faithful_linear(rt, dev, m, n, k):
     errors = {(np.dtype(out).name, groups): rel_rows(run_gemm(rt, dev, out, xq, xs, wq, ws, m, n, k, groups),
                                                      want).max()
               for out in (np.float32, BF16) for groups in (1, 2)}
+    assert max(errors.values()) < 1e-2, errors
+
+
+@gpu
+@pytest.mark.parametrize("groups, n, k", [(8, 1024, 4096), (2, 128, 128), (3, 256, 384)])  # Flash wo_a, "mid", odd
+@pytest.mark.parametrize("m", [17, 300])
+def test_grouped_prefill_gemm_matches_the_fast_output_projection(rt, dev, m, groups, n, k):
+    """group_n: x [m, groups·k] quantised per group row (the fast numerics' wo_a input), group j of y from group j
+    of x and of the weight's rows."""
+    wq, ws, w = fp8_weight(groups * n, k)
+    xq, xs, rounded = act_quant_bytes(activations(m, groups * k).reshape(m * groups, k))
+    rounded = rounded.reshape(m, groups, k)
+    want = np.concatenate([rounded[:, j] @ w[j * n:(j + 1) * n].T for j in range(groups)], axis=1)
+    errors = {(np.dtype(out).name, wg): rel_rows(run_gemm(rt, dev, out, xq, xs, wq, ws, m, groups * n, k, wg,
+                                                          group_n=n), want).max()
+              for out in (np.float32, BF16) for wg in (1, 2)}
     assert max(errors.values()) < 1e-2, errors
 
 
@@ -116,24 +132,27 @@ def test_linear_fp8_at_the_mid_models_widths(rt, dev, m, n, k, dtype):
 
 def test_float32_outputs_take_the_cuda_core_gemm(monkeypatch):
     from dsv4rt.model import fp8, gemm_fp8, linear_fp8
-    monkeypatch.setattr(gemm_fp8, "fp8_gemm", lambda *args: "wgmma")
-    monkeypatch.setattr(fp8, "skinny_gemm", lambda *args: "skinny")
+    monkeypatch.setattr(gemm_fp8, "fp8_gemm", lambda *args, **kw: "wgmma")
+    monkeypatch.setattr(fp8, "skinny_gemm", lambda *args, **kw: "skinny")
 
-    def chosen(arch, dtype, m, n, k):
-        return linear_fp8.fp8_gemm(SimpleNamespace(arch=arch), dtype, 0, 0, 0, 0, 0, m, n, k)
+    def chosen(arch, dtype, m, n, k, group_n=None):
+        return linear_fp8.fp8_gemm(SimpleNamespace(arch=arch), dtype, 0, 0, 0, 0, 0, m, n, k, group_n)
     assert chosen("sm_90a", BF16, 300, 256, 128) == "wgmma"
     assert chosen("sm_90a", BF16, 17, 128, 256) == "wgmma"
     assert chosen("sm_90a", np.float32, 300, 256, 128) == "skinny"
     assert chosen("sm_90a", BF16, 16, 256, 128) == "skinny"
     assert chosen("sm_90a", BF16, 300, 200, 128) == "skinny"
     assert chosen("sm_90", BF16, 300, 256, 128) == "skinny"
+    assert chosen("sm_90a", BF16, 300, 256, 128, group_n=128) == "wgmma"    # "mid"'s grouped wo_a in fast numerics
+    assert chosen("sm_90a", BF16, 300, 128, 128, group_n=64) == "skinny"    # groups off the 128 tiles
 
 
-@pytest.mark.parametrize("n, k", [(200, 128), (128, 200), (128, 64), (0, 128)])
-def test_prefill_gemm_refuses_shapes_off_128(n, k):
+@pytest.mark.parametrize("n, k, group_n", [(200, 128, None), (128, 200, None), (128, 64, None), (0, 128, None),
+                                           (256, 128, 64), (384, 128, 256)])
+def test_prefill_gemm_refuses_shapes_off_128(n, k, group_n):
     from dsv4rt.model import gemm_fp8
     with pytest.raises(ValueError, match="multiples of 128"):
-        gemm_fp8.fp8_gemm(None, 0, 0, 0, 0, 0, 1, n, k, np.float32)
+        gemm_fp8.fp8_gemm(None, 0, 0, 0, 0, 0, 1, n, k, np.float32, group_n=group_n)
 
 
 def test_prefill_gemm_refuses_misaligned_operands():

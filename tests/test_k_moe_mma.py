@@ -92,7 +92,9 @@ def test_layer(rt, blas, wide, tokens, hashed, with_shared, path):
     needs_wgmma(rt, path == "wgmma")
     with ran(rt, blas, wide, build, BF16, tokens, hashed, seed=5000 + tokens, with_shared=with_shared,
              path=path) as (moe, x, ids, y):
-        assert [launch.kernel.name for launch in moe.grouped] == [f"moe_gemm_{path}<true>", f"moe_gemm_{path}<false>"]
+        names = ["moe_gemm_wgmma<true,false>", "moe_gemm_wgmma<false,false>"] if path == "wgmma" else \
+            ["moe_gemm_mma<true>", "moe_gemm_mma<false>"]
+        assert [launch.kernel.name for launch in moe.grouped] == names
         ref = wide.reference(hashed, with_shared)
         err = rel_rows(y, ref(x, ids)).max()
         assert err < 1e-2, err

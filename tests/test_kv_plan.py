@@ -34,6 +34,7 @@ def tiny_a(**change):
 @pytest.mark.parametrize("numerics, main, index, classes", [
     ("exact", 1024, 256, (65536, 16384, 2048)),
     ("faithful", 584, 68, (37376, 4352, 1168)),   # 448 e4m3 + 64 bf16 rope + 7 scales + 1 pad; 64 e2m1 + 4 scales
+    ("fast", 584, 68, (37376, 4352, 1168)),       # faithful's caches
 ])
 def test_real_models_fall_into_three_classes(numerics, main, index, classes):
     for cfg in (flash(), pro()):
@@ -228,6 +229,7 @@ def test_plan_command_json_defaults_to_faithful_for_fp8_checkpoints():
     (["--model", "/no/such/model", "--context", 10], "does not exist"),
     (["--model", TINY_A, "--context", 0], "--context must be positive"),
     (["--model", TINY_A, "--context", 10, "--batch", -1], "--batch must be positive"),
+    (["--model", TINY_A, "--step", 8], "give both"),
 ])
 def test_plan_command_errors(args, message):
     assert_one_line_error(dsv4rt("plan", *args), message)

@@ -68,13 +68,13 @@ def random_weights(cfg, seed=0):
     return out
 
 
-def aligned_model(n):
+def aligned_model(n, numerics="faithful"):
     """tiny-a's shape with o_lora 256: wo_b's 512 input columns split into whole 128-blocks on 2 and 4 GPUs."""
     cfg = from_dict(json.loads((TINY_A / "config.json").read_text()) | {"o_lora_rank": 256})
     W = random_weights(cfg)
     quantized = frozenset(k for k in W if released_format(k) in ("fp8", "fp4"))
-    faithful = Numerics.named("faithful")
-    return cfg, Model(cfg, W, faithful, quantized), ShardedReference(cfg, W, n, faithful, quantized)
+    rounded = Numerics.named(numerics)
+    return cfg, Model(cfg, W, rounded, quantized), ShardedReference(cfg, W, n, rounded, quantized)
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -89,13 +89,16 @@ def test_act_quant_of_wo_b_inputs_is_the_same_on_each_ranks_columns(n):
                               act_quant(t))
 
 
-@pytest.mark.parametrize("n, split_tokens", [(2, True), (2, False), (4, True), (4, False)])
-def test_faithful_layers_with_act_quant_match_the_unsharded_layers(n, split_tokens):
+@pytest.mark.parametrize("n, split_tokens, numerics", [(2, True, "faithful"), (2, False, "faithful"),
+                                                       (4, True, "faithful"), (4, False, "faithful"),
+                                                       (2, True, "fast"), (2, False, "fast")])
+def test_faithful_layers_with_act_quant_match_the_unsharded_layers(n, split_tokens, numerics):
     """Sums in another order move values by ulps, and now and then one across an e4m3 rounding threshold
     (12% of that value) or a routing decision: random models in faithful numerics are chaotic
     (docs/numerics.md#tolerances). So each layer is fed the reference's streams and compared per row:
-    nearly every row to 1e-5, none by more than 1e-2."""
-    cfg, whole, sharded = aligned_model(n)
+    nearly every row to 1e-5, none by more than 1e-2. Fast numerics also round wo_a's input per group row, which
+    2 GPUs hold whole (4 would split tiny-a's groups, which is refused below)."""
+    cfg, whole, sharded = aligned_model(n, numerics)
     sharded.split_tokens = split_tokens
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, 160)
     streams = []
@@ -113,5 +116,8 @@ def test_misaligned_act_quant_blocks_and_indivisible_counts_are_refused():
     with pytest.raises(LayoutError, match="faithful numerics quantise wo_b's input in blocks of 128: each of 2 GPUs "
                                           "would hold 32 of its columns, not a whole number of blocks"):
         ShardedReference(cfg, W, 2, Numerics.named("faithful"), quantized)
+    with pytest.raises(LayoutError, match="fast numerics quantise wo_a's input in blocks of 128 per group: each of "
+                                          "the 2 GPUs sharing a group would hold 32 of its columns"):
+        aligned_model(4, "fast")
     with pytest.raises(LayoutError, match="cannot split 4 attention heads over 8 GPUs"):
         ShardedReference(cfg, W, 8)

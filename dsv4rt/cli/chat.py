@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from . import main
-from .common import DEVICES, max_batched_tokens_option, one_line, resolve_device
+from .common import DEVICES, max_batched_tokens_option, numerics_option, one_line, resolve_device
 from ..reference.sampling import SamplingParams
 
 HELP = """commands:
@@ -125,7 +125,7 @@ def _engine(path: Path, device: str, numerics: str | None, max_batched_tokens: i
 @click.option("--max-new-tokens", default=512, show_default=True, type=int)
 @click.option("--thinking", is_flag=True, help="thinking mode: the model reasons before answering")
 @click.option("--device", type=click.Choice(DEVICES), default="auto")
-@click.option("--numerics", type=click.Choice(["exact", "faithful"]), help="default: faithful for fp8 checkpoints")
+@numerics_option
 @max_batched_tokens_option
 def chat(model, prompt, system, temperature, top_p, top_k, seed, max_new_tokens, thinking, device, numerics,
          max_batched_tokens):

@@ -1,4 +1,4 @@
-"""Helpers shared by the commands: backend choice, option names and atomic output files."""
+"""Helpers shared by the commands: backend choice, shared options, option names and atomic output files."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,14 @@ from pathlib import Path
 import click
 import numpy as np
 
+from ..kv.plan import NUMERICS
+
 DEVICES = ("auto", "cpu", "cuda")
+
+# docs/numerics.md#modes, on every command that runs or plans a model
+numerics_option = click.option(
+    "--numerics", type=click.Choice(NUMERICS),
+    help="default: faithful for fp8 checkpoints; fast also rounds wo_a's input to fp8 (opt-in, as vLLM)")
 
 # the engine's step size, on every command that runs one
 max_batched_tokens_option = click.option(

@@ -8,7 +8,7 @@ import click
 
 from . import main
 from ..files import read_regular
-from .common import DEVICES, max_batched_tokens_option, option_name, resolve_device
+from .common import DEVICES, max_batched_tokens_option, numerics_option, option_name, resolve_device
 from ..reference.sampling import SamplingParams
 
 
@@ -36,7 +36,7 @@ def _read_prompts(path: str) -> list[str]:
 @click.option("--json", "as_json", is_flag=True, help="one JSON object a line: ids, text, finish reason")
 @click.option("--stats", is_flag=True, help="print time to first token and throughput on stderr")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", help="auto: the GPU when one is visible")
-@click.option("--numerics", type=click.Choice(["exact", "faithful"]), help="default: faithful for fp8 checkpoints")
+@numerics_option
 @click.option("--no-prefix-cache", is_flag=True, help="compute every prompt from its first token")
 @max_batched_tokens_option
 def generate(model, prompts_path, max_new_tokens, temperature, top_p, top_k, seed, chat, as_json, stats, device,

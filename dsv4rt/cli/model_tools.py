@@ -11,7 +11,7 @@ import numpy as np
 from . import main
 from ..files import read_regular
 from ..presets import PRESETS
-from .common import DEVICES, resolve_device, save_npy_atomic
+from .common import DEVICES, numerics_option, resolve_device, save_npy_atomic
 
 
 def _read_ids(path: str) -> np.ndarray:
@@ -43,7 +43,7 @@ def _parse_chunks(text: str | None, tokens: int) -> list[int] | None:
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="float32 .npy [T, vocab]")
 @click.option("--chunks", help="prefill chunk sizes, e.g. 40,1,56 (default: one chunk)")
 @click.option("--device", type=click.Choice(DEVICES), default="auto")
-@click.option("--numerics", type=click.Choice(["exact", "faithful"]), help="default: faithful for fp8 checkpoints")
+@numerics_option
 @click.option("--storage", type=click.Choice(["bf16", "float32"]), default="bf16", show_default=True,
               help="GPU storage type (float32: the kernels' tight-check build)")
 def logits(model, ids_path, out, chunks, device, numerics, storage):

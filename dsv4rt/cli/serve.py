@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from . import main
-from .common import DEVICES, max_batched_tokens_option
+from .common import DEVICES, max_batched_tokens_option, numerics_option
 
 
 @main.command()
@@ -28,7 +28,7 @@ from .common import DEVICES, max_batched_tokens_option
 @click.option("--max-body-bytes", default=32 << 20, show_default=True, type=click.IntRange(1))
 @click.option("--grace-seconds", default=30.0, show_default=True, type=click.FloatRange(0),
               help="on SIGTERM, how long running requests may finish before they are aborted")
-@click.option("--numerics", type=click.Choice(["exact", "faithful"]), help="default: faithful for fp8 checkpoints")
+@numerics_option
 @max_batched_tokens_option
 def serve(model, host, port, api_key, served_model_name, device, max_running, max_waiting, max_model_len, kv_gib,
           max_body_bytes, grace_seconds, numerics, max_batched_tokens):

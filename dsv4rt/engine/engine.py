@@ -41,8 +41,8 @@ class Engine:
                  prefix_cache_blocks: int = 256, *, dtype: str = "bf16", max_len: int = 65536,
                  graphs: bool = True, runtime=None, prefix_cache_bytes: int = 1 << 30):
         """device "cuda": the GPU runner, `dtype` bf16 (or float32, to check it against the reference),
-        requests up to max_len positions, decode CUDA graphs unless graphs=False. numerics exact or faithful
-        (docs/numerics.md#modes), on either device; by default faithful for checkpoints stored in fp8/fp4.
+        requests up to max_len positions, decode CUDA graphs unless graphs=False. numerics exact, faithful or
+        fast (docs/numerics.md#modes), on either device; by default faithful for checkpoints stored in fp8/fp4.
         prefix_cache_blocks (cpu) or prefix_cache_bytes (cuda) bound the prefix cache; 0 turns it off.
         max_batched_tokens: the tokens of one step, decode rows and prefill chunks together; one request's
         chunk may take all of it."""

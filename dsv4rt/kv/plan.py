@@ -21,10 +21,10 @@ from .entries import indexer_entry_bytes as index_key_bytes, kv_entry_bytes
 BLOCK_POSITIONS = 256      # the scheduler's logical block, in raw positions
 WINDOW_PAGE_TOKENS = 64    # a window page then has the size of a c4a compressed page (64 entries)
 PAGE_ALIGN = 16            # kernels load 16 B vectors; no vector may straddle two pages
-STATE_BYTES = 4            # compressor states (a, z rows) stay float32 in both numerics
+STATE_BYTES = 4            # compressor states (a, z rows) stay float32 in every numerics
 LARGE, MEDIUM, SMALL = 0, 1, 2
 CLASS_NAMES = ("large", "medium", "small")
-NUMERICS = ("exact", "faithful")
+NUMERICS = ("exact", "faithful", "fast")   # docs/numerics.md#modes; fast rounds the caches as faithful does
 _STORAGE = {2: np.dtype(ml_dtypes.bfloat16), 4: np.dtype(np.float32)}   # element bytes -> the build's type
 
 
@@ -123,16 +123,18 @@ class KVPlan:
     def sequence_bytes(self, n_tokens: int, chunk: int = 1) -> int:
         return sum(n * b for n, b in zip(self.class_pages(n_tokens, chunk), self.class_page_bytes))
 
-    def summary(self, n_tokens: int, batch: int = 1) -> dict:
+    def summary(self, n_tokens: int, batch: int = 1, chunk: int = 1) -> dict:
+        """The plan of `batch` sequences of n_tokens, fed at most `chunk` tokens a step."""
         kinds = [dict(name=k.name, layers=len(k.layers), entry_bytes=k.entry_bytes,
                       positions_per_page=k.positions_per_page, page_bytes=k.page_bytes,
                       size_class=CLASS_NAMES[k.size_class], class_page_bytes=k.class_page_bytes,
-                      page_waste_bytes=k.class_page_bytes - k.page_bytes, pages_per_layer=k.pages(n_tokens),
-                      pages_per_sequence=len(k.layers) * k.pages(n_tokens),
-                      bytes_per_sequence=len(k.layers) * k.pages(n_tokens) * k.class_page_bytes)
+                      page_waste_bytes=k.class_page_bytes - k.page_bytes, pages_per_layer=k.pages(n_tokens, chunk),
+                      pages_per_sequence=len(k.layers) * k.pages(n_tokens, chunk),
+                      bytes_per_sequence=len(k.layers) * k.pages(n_tokens, chunk) * k.class_page_bytes)
                  for k in self.kinds]
-        per_sequence = self.sequence_bytes(n_tokens)
-        return dict(numerics=self.numerics, context=n_tokens, batch=batch, bytes_per_token=self.bytes_per_token,
+        per_sequence = self.sequence_bytes(n_tokens, chunk)
+        return dict(numerics=self.numerics, context=n_tokens, batch=batch, chunk=chunk,
+                    bytes_per_token=self.bytes_per_token,
                     ideal_bytes_per_token=self.ideal_bytes_per_token, bytes_per_sequence=per_sequence,
                     overhead_bytes=per_sequence - round(self.ideal_bytes_per_token * n_tokens),
                     total_bytes=batch * per_sequence, size_classes=list(self.class_page_bytes),
@@ -142,13 +144,13 @@ class KVPlan:
 def main_entry_bytes(cfg: ModelConfig, numerics: str, element_bytes: int = 2) -> int:
     """One window row or compressed entry as the kernels store it (entries.kv_entry_bytes). element_bytes:
     the build's storage, bf16 (2) or the float32 test build (4), whose faithful entries stay float32 rows."""
-    return kv_entry_bytes(_STORAGE[element_bytes], cfg.head_dim, cfg.rope_dim, numerics == "faithful")
+    return kv_entry_bytes(_STORAGE[element_bytes], cfg.head_dim, cfg.rope_dim, numerics != "exact")
 
 
 def indexer_entry_bytes(cfg: ModelConfig, numerics: str, element_bytes: int = 2) -> int:
-    """One indexer key as the kernels store it (entries.indexer_entry_bytes): packed e2m1 in faithful
+    """One indexer key as the kernels store it (entries.indexer_entry_bytes): packed e2m1 in faithful (and fast)
     numerics, whatever the build."""
-    return index_key_bytes(_STORAGE[element_bytes], cfg.index_head_dim, numerics == "faithful")
+    return index_key_bytes(_STORAGE[element_bytes], cfg.index_head_dim, numerics != "exact")
 
 
 def default_numerics(cfg: ModelConfig) -> str:

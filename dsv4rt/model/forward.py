@@ -3,7 +3,7 @@
 Every kernel is a template over the storage type, so `GpuModel(dir, np.float32)` runs the same code
 as the bf16 build and is checked tightly against the numpy reference. Faithful numerics
 (docs/numerics.md) read fp8/fp4 weights as stored, quantise the inputs of their GEMMs and keep the main cache
-in fp8 and the indexer keys in fp4."""
+in fp8 and the indexer keys in fp4; fast numerics quantise wo_a's input too."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,15 +21,17 @@ from ..kv.slab import DEFAULT_SLAB_BYTES
 from ..loader import Checkpoint, scale_name
 from . import attention as attn_k
 from . import compress as comp_k
-from . import fp8, moe_fp4
+from . import fp8
 from . import hc as hc_k
 from . import sample as sample_k
 from .inputs import StepInputs
+from .memory import (BUILD_BLAS, SCORES_BUDGET, attention_splits, index_entries, moe_dims, score_rows, step_shape,
+                     tensor_core_attention, workspace_sizes)
 from .paged import LaunchSequence, PagedCache
 from .tables import PageTables
 from .gemm import Blas, grouped_linear, linear
 from .linear_fp8 import SKINNY_ROWS, linear_fp8, released_formats
-from .moe import ExpertWeights, MoE, MoeDims, pointer_table, workspace_bytes
+from .moe import ExpertWeights, MoE, MoeDims, pointer_table
 from .moe_fp4 import Fp4Experts, Fp4MoE, Fp8Expert
 from .weights import load_weights
 
@@ -59,21 +61,19 @@ class Entry:
     start: int
 
 
-STEP_TOKENS = 8192     # default rows of a step: big enough that prefill GEMMs run at tensor-core speed
-LOGIT_ROWS = 1024      # rows of logits a step may return beyond one per request (forward's every_row)
-
-
 class GpuModel:
     """The forward for up to `max_batch` requests at once (one request slot each), at most `step_rows`
-    tokens per step (by default STEP_TOKENS, at most max_len) and `max_len` positions per request. A
+    tokens per step (by default memory.STEP_TOKENS, at most max_len) and `max_len` positions per request. A
     request's tokens in one step may fill it: attention takes the step's own window keys
     from the step's rows and earlier ones from the window cache, whose pages the block manager holds
     only for what a step reads or leaves to the next (dsv4rt/kv/blocks.py).
-    `numerics` exact or faithful; by default faithful for checkpoints stored in fp8/fp4."""
+    `numerics` exact, faithful or fast; by default faithful for checkpoints stored in fp8/fp4. The indexer's
+    scores of a step take at most `scores_budget` bytes (memory.SCORES_BUDGET)."""
 
     def __init__(self, model_dir, dtype=ml_dtypes.bfloat16, *, runtime: Runtime | None = None,
                  max_len: int = 4096, kv_bytes: int = 256 << 20, max_batch: int = 1, step_rows: int | None = None,
-                 slab_bytes: int = DEFAULT_SLAB_BYTES, numerics: str | None = None):
+                 slab_bytes: int = DEFAULT_SLAB_BYTES, numerics: str | None = None,
+                 scores_budget: int = SCORES_BUDGET):
         self.dtype = np.dtype(dtype)
         self.rt = rt = runtime or Runtime(arena_bytes=None)
         with Checkpoint.open(model_dir) as ck:
@@ -82,15 +82,14 @@ class GpuModel:
             self.numerics = numerics or default_numerics(cfg)
             if self.numerics not in NUMERICS:
                 raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got '{self.numerics}'")
-            self.faithful = self.numerics == "faithful"
+            self.faithful = self.numerics != "exact"    # fast is faithful plus wo_a's act_quant
+            self.fast = self.numerics == "fast"
             # (attention GEMMs in fp8, experts in fp4/fp8): read as stored, their inputs quantised
             self.fp8_attention, self.fp4_experts = released_formats(ck) if self.faithful else (False, False)
             self.w = load_weights(ck, self.dtype, rt.arena, rt.stream, raw=self.faithful).arrays
-        self.max_len, self.max_batch = max_len, max_batch
-        # bf16 builds attend on the tensor cores (sparse_attention_mqa), the float32 build on the CUDA cores
-        self.mqa = self.dtype.itemsize == 2 and cfg.head_dim % 16 == 0
-        self.rows = step_rows or min(STEP_TOKENS, max_len)
-        self.out_rows = min(self.rows, max(max_batch, LOGIT_ROWS))
+        self.max_len, self.max_batch, self.scores_budget = max_len, max_batch, scores_budget
+        self.mqa = tensor_core_attention(cfg, self.dtype)
+        self.rows, self.out_rows = step_shape(max_len, step_rows, max_batch)
         self.plan = build_plan(cfg, self.numerics, element_bytes=self.dtype.itemsize)
         self.kv = rt.arena.alloc(kv_bytes, "KV cache")
         self.allocator = SlabAllocator(kv_bytes, self.plan.class_page_bytes, slab_bytes)
@@ -98,7 +97,7 @@ class GpuModel:
         self.tables = PageTables(rt.arena, self.plan, self.allocator, max_len, max_batch)
         # The compressor and the indexer run on streams of their own beside the query projections: at decode
         # sizes every kernel is latency-bound, so side by side they overlap.
-        self.blas, self.side_blas, self.index_blas = (Blas(rt.arena, rt.device) for _ in range(3))
+        self.blas, self.side_blas, self.index_blas = (Blas(rt.arena, rt.device) for _ in range(BUILD_BLAS))
         self.side, self.index_side = Stream(), Stream()
         self.fork, self.q_ready, self.side_done, self.index_done = (Event(timing=False) for _ in range(4))
         self._rope_tables()
@@ -134,45 +133,22 @@ class GpuModel:
                                                 for m in ("w1", "w3", "w2"))) if c.n_shared else None)
 
     def _workspace(self):
-        c, T, s = self.cfg, self.rows, self.dtype.itemsize
-        hd, D = c.head_dim, c.hidden_size
-        n_max = self.max_len // c.csa_ratio + 1
-        self.moe_dims = MoeDims(T, D, c.moe_inter, c.n_experts, c.n_active, c.moe_inter if c.n_shared else 0)
-        moe_bytes = (moe_fp4.workspace_bytes if self.fp4_experts else workspace_bytes)(self.moe_dims, self.dtype)
-        # act_quant's e4m3 copies and e8m0 scales of the fp8 GEMMs' inputs (the indexer's own, on its stream)
-        widths = dict(xn=D, qr=c.q_lora_rank, iqr=c.q_lora_rank, t=c.o_groups * c.o_lora_rank) \
-            if self.fp8_attention else {}
-        quantized = {f"{x}_{part}": T * (k if part == "q" else fp8.scale_columns(k))
-                     for x, k in widths.items() for part in ("q", "s")}
+        c, T = self.cfg, self.rows
+        self.n_max = index_entries(c, self.max_len)
+        self.score_rows = score_rows(T, self.n_max, self.scores_budget)
+        self.moe_dims = moe_dims(c, T)
         fp8_wo_a = any(scale_name(f"layers.{i}.attn.wo_a.weight") in self.w for i in range(c.num_layers))
-        expanded = dict(wo_a=c.o_lora_rank * c.num_heads * hd * s) if fp8_wo_a and T > SKINNY_ROWS else {}
         self.inputs = StepInputs(T)
-        fused = min(T, hc_k.decode_tokens(self.rt.device))  # rows of the second streams, post and comb (_hc_pre)
-        self.ws = Workspace(self.rt.arena, dict(
-            inputs=self.inputs.nbytes, X=T * c.hc_mult * D * s, u=T * D * s, xn=T * D * s,
-            post=T * c.hc_mult * 4, comb=T * c.hc_mult ** 2 * 4, X_b=fused * c.hc_mult * D * s,
-            post_b=fused * c.hc_mult * 4, comb_b=fused * c.hc_mult ** 2 * 4, qa=T * c.q_lora_rank * s,
-            qr=T * c.q_lora_rank * s, q=T * c.num_heads * hd * s, kv=T * hd * s, a=T * 2 * hd * 4, z=T * 2 * hd * 4,
-            ia=T * 2 * c.index_head_dim * 4, iz=T * 2 * c.index_head_dim * 4,
-            iq=T * c.index_n_heads * c.index_head_dim * s, iw=T * c.index_n_heads * 4, scores=T * n_max * 4,
-            selected=T * c.index_topk * 4, o=T * c.num_heads * hd * s, t=T * c.o_groups * c.o_lora_rank * s,
-            f=T * D * s, y=T * D * s, logits=self.out_rows * c.vocab_size * 4,
-            kv_rows=T * self.cache("window", 0).entry_bytes, moe=moe_bytes, **quantized, **expanded,
-            hc_pre=hc_k.pre_workspace_bytes(T, c.hc_mult, D),
-            att=max(attn_k.attention_workspace_bytes(t, c.num_heads, hd, self._splits(i, t))  # splits = 1 beyond
-                    for t in range(1, min(T, 2 * self.rt.device.sm_count) + 1)    # 2·sm_count rows
-                    for i in {(k, r): i for i, (k, r) in enumerate(zip(c.kinds, c.ratios))}.values())))
+        self.ws = Workspace(self.rt.arena, workspace_sizes(
+            c, self.dtype, rows=T, out_rows=self.out_rows, max_len=self.max_len, sm_count=self.rt.device.sm_count,
+            numerics=self.numerics, fp8_attention=self.fp8_attention, fp4_experts=self.fp4_experts,
+            fp8_wo_a=fp8_wo_a, scores_budget=self.scores_budget))
         self.ws.ptr.update(self.inputs.pointers(self.ws["inputs"]))
-        zeros = np.zeros(hc_k.pre_workspace_bytes(T, c.hc_mult, D), np.uint8)   # hc_pre's counters start at zero
+        zeros = np.zeros(hc_k.pre_workspace_bytes(T, c.hc_mult, c.hidden_size), np.uint8)   # its counters start at 0
         self.ws.buffer.copy_from_host(zeros, self.rt.stream, offset=self.ws["hc_pre"] - self.ws.buffer.ptr)
-        self.n_max = n_max
 
     def _splits(self, i: int, T: int) -> int:
-        c = self.cfg
-        compressed = c.index_topk if c.kinds[i] == CSA else self.max_len // c.ratios[i] if c.ratios[i] else 0
-        if self.mqa:
-            return attn_k.attention_mqa_splits(T, c.num_heads, c.window + compressed, self.rt.device.sm_count)
-        return attn_k.attention_splits(T, c.num_heads, c.window + compressed, self.dtype, self.rt.device.sm_count)
+        return attention_splits(self.cfg, self.dtype, i, T, self.max_len, self.rt.device.sm_count)
 
     # --- one request (tests, `dsv4rt logits`) ---------------------------------------------------
     def forward(self, ids, last_only: bool = False) -> np.ndarray:
@@ -334,13 +310,19 @@ class GpuModel:
                           xq=ws[q + "_q"], xs=ws[q + "_s"], quantized=quantized)
 
     def _output_projection(self, weight: str, T: int):
-        """ws[t] = wo_a applied per group to ws[o]. Stored in fp8 (the reference quantises none of its inputs):
-        decode batches stream it through the W8A16 GEMM, prefill batches expand it into ws[wo_a] for cuBLAS."""
+        """ws[t] = wo_a applied per group to ws[o]. Stored in fp8, faithful (the reference quantises none of its
+        inputs): decode batches stream it through the W8A16 GEMM, prefill batches expand it into ws[wo_a] for
+        cuBLAS. Fast: ws[o] quantised per group row by the act_quant kernel of every fp8 linear layer, then the
+        grouped fp8 x fp8 GEMM. Not fused with the inverse RoPE: that stays in the epilogues of three attention
+        kernels (CUDA-core, tensor-core, split merge), each of which would need a quantising twin."""
         c, ws, W, dt = self.cfg, self.ws, self.w, self.dtype
         G, n, k = c.o_groups, c.o_lora_rank, c.num_heads * c.head_dim // c.o_groups
         scale = W.get(scale_name(weight))
         if scale is None:
             return grouped_linear(self.blas, dt, ws["o"], W[weight].ptr, ws["t"], T, G, n, k)
+        if self.fast:
+            return linear_fp8(self.rt.device, dt, ws["o"], W[weight].ptr, scale.ptr, ws["t"], T, G * n, k,
+                              xq=ws["o_q"], xs=ws["o_s"], group_n=n)
         if T <= SKINNY_ROWS:
             return fp8.skinny_gemm(self.rt.device, dt, ws["t"], ws["o"], 0, W[weight].ptr, scale.ptr, T, G * n, k,
                                    in_dtype=dt, group_n=n)
@@ -360,10 +342,13 @@ class GpuModel:
                alpha=dI ** -0.5 * nI ** -0.5)(side)
         side.wait(self.q_ready)
         self._linear(x + "wq_b.weight", "qr", "iq", T, nI * dI, c.q_lora_rank, blas, quantized_as="iqr")(side)
-        comp_k.indexer_select(self.rt.device, dt, ws["selected"], ws["scores"], ws["iq"], ws["iw"],
-                              self.cache("indexer", i), ws["pos"], ws["req"], rows=T, heads=nI, head_dim=dI,
-                              topk=c.index_topk, n_max=self.n_max, ratio=c.csa_ratio, inv_freq=self.inv_freq[i],
-                              rope_dim=c.rope_dim, fp4_keys=self.faithful)(side)
+        keys, k = self.cache("indexer", i), c.index_topk
+        for a in range(0, T, self.score_rows):   # row chunks through one scores buffer (memory.score_rows)
+            comp_k.indexer_select(self.rt.device, dt, ws["selected"] + 4 * k * a, ws["scores"],
+                                  ws["iq"] + nI * dI * dt.itemsize * a, ws["iw"] + 4 * nI * a, keys, ws["pos"] + 4 * a,
+                                  ws["req"] + 4 * a, rows=min(self.score_rows, T - a), heads=nI, head_dim=dI, topk=k,
+                                  n_max=self.n_max, ratio=c.csa_ratio, inv_freq=self.inv_freq[i], rope_dim=c.rope_dim,
+                                  fp4_keys=self.faithful)(side)
         return side.record(self.index_done)
 
     def _compress(self, prefix, out, state, i, T, width, ratio, overlap, a, z, blas, stream, **stored):
@@ -401,7 +386,7 @@ class GpuModel:
 
     def _hc_post(self, T: int):
         self.post_pending = True
-        if T > hc_k.decode_tokens(self.rt.device):
+        if T > hc_k.decode_tokens(self.rt.device.sm_count):
             self._hc_flush(T)
 
     def _hc_flush(self, T: int):

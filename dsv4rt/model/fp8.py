@@ -59,8 +59,8 @@ def skinny_gemm(device: Device, out_dtype, y: int, x: int, x_scale: int, w: int,
     checkpoint's e4m3 weight [n, k] and its e8m0 scales. in_dtype None: x is act_quant's e4m3 [m, k] with its
     scales x_scale; the output's dtype: x itself (W8A16; x_scale unused). group_n: the n columns fall into
     groups of group_n, group j reading columns j·k.. of x rows of (n / group_n)·k values (the grouped output
-    projection). k must be a multiple of 16, and so must group_n when grouped (of 128 with act_quant-ed x); every
-    array 16-byte aligned."""
+    projection), and an e4m3 x's scales [m, n / group_n, ceil(k/128)] (act_quant of m·n / group_n rows of k).
+    k must be a multiple of 16, and so must group_n when grouped; every array 16-byte aligned."""
     group_n = group_n or n
     if k % 16:
         raise ValueError(f"the fp8 GEMM needs k to be a multiple of 16, got {k}")

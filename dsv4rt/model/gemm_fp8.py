@@ -37,13 +37,17 @@ def warpgroups_for(m: int, n: int, sm_count: int) -> int:
 
 
 def fp8_gemm(device: Device, x_q: int, x_scale: int, w: int, w_scale: int, y: int, m: int, n: int, k: int,
-             out_dtype, warpgroups: int | None = None) -> Launch:
+             out_dtype, warpgroups: int | None = None, group_n: int | None = None) -> Launch:
     """y [m, n] (float32 or bfloat16) = Σ over 128-column blocks of (x_q · wᵀ) · x_scale · w_scale, each block's
     products summed in fp32 before scaling: x_q [m, k] e4m3 and x_scale [m, k/128] e8m0 from fp8.act_quant,
     w [n, k] e4m3 and w_scale [n/128, k/128] e8m0 the checkpoint's. n and k must be multiples of 128, x_q and w
-    16-byte aligned. warpgroups (1 or 2: 64 or 128 rows a block) defaults to warpgroups_for."""
-    if k % BLOCK or n % TILE_N or k == 0 or n == 0:
-        raise ValueError(f"the prefill fp8 GEMM needs n and k to be positive multiples of 128, got n={n}, k={k}")
+    16-byte aligned. warpgroups (1 or 2: 64 or 128 rows a block) defaults to warpgroups_for. group_n (a multiple
+    of 128 dividing n) groups the columns as fp8.skinny_gemm does: x_q [m, g·k] and x_scale [m, g, k/128] for
+    g = n / group_n groups, column block j·group_n.. of y reading group j."""
+    group_n = group_n or n
+    if k == 0 or n == 0 or k % BLOCK or group_n % TILE_N or n % group_n:
+        raise ValueError(f"the prefill fp8 GEMM needs n, k and group_n to be positive multiples of 128 (group_n "
+                         f"dividing n), got n={n}, k={k}, group_n={group_n}")
     itemsize = np.dtype(out_dtype).itemsize
     if x_q % 16 or w % 16 or y % (2 * itemsize):
         raise ValueError("the prefill fp8 GEMM needs x_q and w 16-byte aligned and y aligned to two elements")
@@ -58,8 +62,9 @@ def fp8_gemm(device: Device, x_q: int, x_scale: int, w: int, w_scale: int, y: in
     kernel = device.kernel("gemm_fp8", f"fp8_prefill_gemm<{storage_name(out_dtype)},{groups}>", declared("gemm_fp8"))
     shared = shared_bytes(groups)
     kernel.allow_shared(shared)
-    args = [_tensor_map(x_q, m, k, box_rows), _tensor_map(w, n, k, TILE_N),
-            *(ctypes.c_void_p(p) for p in (y, x_scale, w_scale)), *(ctypes.c_int(v) for v in (m, n, k, box_rows))]
+    args = [_tensor_map(x_q, m, n // group_n * k, box_rows), _tensor_map(w, n, k, TILE_N),
+            *(ctypes.c_void_p(p) for p in (y, x_scale, w_scale)),
+            *(ctypes.c_int(v) for v in (m, n, k, box_rows, group_n))]
     grid = (n // TILE_N, -(-m // (WARPGROUP_ROWS * groups)))
     return kernel.bind(grid, 128 * groups + 32, args, shared=shared)
 

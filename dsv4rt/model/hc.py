@@ -84,9 +84,10 @@ def pre_workspace_bytes(tokens: int, hc: int, dim: int) -> int:
     return COUNTER_BYTES + max((_partial_bytes(t, hc, dim) for t in range(1, tokens + 1)), default=0)
 
 
-def decode_tokens(device: Device) -> int:
-    """The largest batch `pre` takes hc_pre_decode for (and so can fuse the previous post into)."""
-    return TOK * device.sm_count
+def decode_tokens(sm_count: int) -> int:
+    """The largest batch `pre` takes hc_pre_decode for (and so can fuse the previous post into), on a device of
+    `sm_count` SMs."""
+    return TOK * sm_count
 
 
 def pre(device: Device, dtype, u: int, post: int, comb: int, x: int, fn: int, base: int, scale: int,
@@ -102,15 +103,16 @@ def pre(device: Device, dtype, u: int, post: int, comb: int, x: int, fn: int, ba
     comb are not post_prev, comb_prev (blocks still read the old ones while others write)."""
     if fused_post is not None:
         x_prev, _, post_prev, comb_prev = fused_post
-        if tokens > decode_tokens(device):
-            raise ValueError(f"fused_post needs a decode batch (at most {decode_tokens(device)} tokens), got {tokens}")
+        most = decode_tokens(device.sm_count)
+        if tokens > most:
+            raise ValueError(f"fused_post needs a decode batch (at most {most} tokens), got {tokens}")
         if x_prev == x or post_prev == post or comb_prev == comb:
             raise ValueError("fused_post's streams, post and comb must be other buffers than x, post and comb")
     if tokens == 0:
         return NOTHING
     args = _p(u, post, comb, x, fn, base, scale) + [ctypes.c_int(tokens), ctypes.c_int(dim), ctypes.c_float(eps),
                                                     ctypes.c_float(hc_eps), ctypes.c_int(iters)]
-    if tokens <= decode_tokens(device):
+    if tokens <= decode_tokens(device.sm_count):
         # Decode: a block per TOK tokens would read all of fn (1.5 MB at Flash sizes) alone; about DECODE_BLOCKS
         # blocks share it instead, a slice each, and the last to finish theirs finish the tokens. Finishers wait for
         # the others, so fewer of them than SMs keeps an SM free for any block yet to start (H200, bf16 Flash,

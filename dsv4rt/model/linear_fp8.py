@@ -19,28 +19,33 @@ SKINNY_ROWS = 16      # fp8.skinny_gemm reads the weight once for up to 16 rows
 _ATTENTION = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_b|indexer\.wq_b)\.weight$")
 _ROUTED = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
 _SHARED = re.compile(r"\.ffn\.shared_experts\.w[123]\.weight$")
-_OUTPUT = re.compile(r"\.attn\.wo_a\.weight$")   # fp8 as released, its input unquantised: the W8A16 GEMM
+_OUTPUT = re.compile(r"\.attn\.wo_a\.weight$")   # fp8 as released; its input quantised in fast numerics only
 
 
 def fp8_gemm(device: Device, out_dtype, y: int, xq: int, xs: int, w: int, w_scale: int, m: int, n: int,
-             k: int) -> Launch:
-    """y [m, n] = dequant(xq, xs) · dequant(w, w_scale)ᵀ (operands as fp8.skinny_gemm takes them). Hopper's e4m3
-    tensor cores keep 13 mantissa bits of each wgmma's sum (as in the official code's own fp8 GEMM): a 128-column
-    block comes out ~4e-4 off, below a bf16 output's rounding but enough to flip later act_quant roundings of a
-    float32 build, whose layers match the reference's fp32 sums to 1e-4 only on the CUDA cores."""
-    tiled = n % gemm_fp8.TILE_N == 0 and k % fp8.BLOCK == 0 and device.arch == gemm_fp8.ARCH
+             k: int, group_n: int | None = None) -> Launch:
+    """y [m, n] = dequant(xq, xs) · dequant(w, w_scale)ᵀ (operands and group_n as fp8.skinny_gemm takes them).
+    Hopper's e4m3 tensor cores keep 13 mantissa bits of each wgmma's sum (as in the official code's own fp8 GEMM):
+    a 128-column block comes out ~4e-4 off, below a bf16 output's rounding but enough to flip later act_quant
+    roundings of a float32 build, whose layers match the reference's fp32 sums to 1e-4 only on the CUDA cores."""
+    group_n = group_n or n
+    tiled = group_n % gemm_fp8.TILE_N == 0 and k % fp8.BLOCK == 0 and device.arch == gemm_fp8.ARCH
     if m > SKINNY_ROWS and tiled and np.dtype(out_dtype) != np.float32:
-        return gemm_fp8.fp8_gemm(device, xq, xs, w, w_scale, y, m, n, k, out_dtype)
-    return fp8.skinny_gemm(device, out_dtype, y, xq, xs, w, w_scale, m, n, k)
+        return gemm_fp8.fp8_gemm(device, xq, xs, w, w_scale, y, m, n, k, out_dtype, group_n=group_n)
+    return fp8.skinny_gemm(device, out_dtype, y, xq, xs, w, w_scale, m, n, k, group_n=group_n)
 
 
 def linear_fp8(device: Device, dtype, x: int, w: int, w_scale: int, y: int, m: int, n: int, k: int, *, xq: int,
-               xs: int, quantized: bool = False) -> LaunchSequence:
+               xs: int, quantized: bool = False, group_n: int | None = None) -> LaunchSequence:
     """y [m, n] (dtype) = act_quant(x [m, k], dtype) · dequant(w, w_scale)ᵀ as one call. xq [m, k] and
     xs [m, ceil(k/128)] (bytes) receive x's quantised form; quantized: an earlier launch on the same stream left
-    it there already (an input that feeds two GEMMs)."""
-    gemm = fp8_gemm(device, dtype, y, xq, xs, w, w_scale, m, n, k)
-    return LaunchSequence(gemm) if quantized else LaunchSequence(fp8.act_quant(device, dtype, xq, xs, x, m, k), gemm)
+    it there already (an input that feeds two GEMMs). group_n (the grouped output projection, as
+    fp8.skinny_gemm): x is [m, g·k] for g = n / group_n groups, quantised as m·g rows of k."""
+    group_n = group_n or n
+    rows = m * (n // group_n)
+    gemm = fp8_gemm(device, dtype, y, xq, xs, w, w_scale, m, n, k, group_n)
+    return LaunchSequence(gemm) if quantized else \
+        LaunchSequence(fp8.act_quant(device, dtype, xq, xs, x, rows, k), gemm)
 
 
 def released_formats(ck: Checkpoint) -> tuple[bool, bool]:

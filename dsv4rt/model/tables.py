@@ -9,10 +9,19 @@ from __future__ import annotations
 import numpy as np
 
 from ..kv import BlockManager, SlabAllocator
-from ..kv.plan import KVPlan
+from ..kv.plan import CacheKind, KVPlan
 from .paged import PagedCache
 
 STALE = -2      # a version no kind has: the slot's next refresh rewrites every kind
+
+
+def columns(kind: CacheKind, max_len: int) -> int:
+    """Page columns of one layer of `kind` in a slot's row: every page of max_len positions, and one more."""
+    return -(-max_len // kind.positions_per_page) + 1
+
+
+def slot_columns(plan: KVPlan, max_len: int) -> int:
+    return sum(len(k.layers) * columns(k, max_len) for k in plan.kinds)
 
 
 class PageTables:
@@ -20,7 +29,7 @@ class PageTables:
         self.allocator = allocator
         self.at, self.kinds, cols_total = {}, [], 0
         for k in plan.kinds:
-            cols = -(-max_len // k.positions_per_page) + 1
+            cols = columns(k, max_len)
             self.kinds.append((k, cols_total, cols))      # its layers' columns follow each other
             for layer in k.layers:
                 self.at[k.name, layer] = (cols_total, cols, k)

@@ -35,6 +35,12 @@ class ShardedReference:
         if numerics.act_quant and any(n.endswith("attn.wo_b.weight") for n in quantized) and width % ACT_BLOCK:
             raise LayoutError(f"faithful numerics quantise wo_b's input in blocks of {ACT_BLOCK}: each of {n} GPUs "
                               f"would hold {width} of its columns, not a whole number of blocks")
+        k = self.layout.ranks_per_group
+        part = cfg.num_heads * cfg.head_dim // cfg.o_groups // k
+        if numerics.wo_a_quant and any(n.endswith("attn.wo_a.weight") for n in quantized) and part % ACT_BLOCK \
+                and k > 1:
+            raise LayoutError(f"fast numerics quantise wo_a's input in blocks of {ACT_BLOCK} per group: each of the "
+                              f"{k} GPUs sharing a group would hold {part} of its columns, not a whole number of blocks")
         self.ranks = [self._rank_model(weights, numerics, quantized, r) for r in range(n)]
 
     def _rank_model(self, weights, numerics, quantized, r) -> Model:

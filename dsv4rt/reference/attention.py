@@ -64,6 +64,7 @@ class Attention:
     compressor: Compressor | None = None
     indexer: Indexer | None = None
     round_kv: object = None   # fp8 rounding of cached kv in faithful mode
+    round_o: object = None    # act_quant of wo_a's input, per group row, in fast mode
 
     def new_state(self) -> AttentionState:
         hd = self.kv_norm.shape[0]
@@ -109,6 +110,8 @@ class Attention:
                                     np.concatenate([mask_w, mask_c], axis=1))
 
         o = self.rope(out, pos, inverse=True).reshape(T, self.n_groups, -1)
+        if self.round_o is not None:
+            o = self.round_o(o)
         wo_a = self.wo_a.reshape(self.n_groups, -1, o.shape[-1])
         return np.matmul(o.transpose(1, 0, 2), wo_a.transpose(0, 2, 1)).transpose(1, 0, 2).reshape(T, -1)
 

@@ -33,6 +33,7 @@ class Numerics:
     act_quant: bool = False     # e4m3 inputs of GEMMs whose weight is stored in fp8/fp4
     kv_fp8: bool = False        # cached kv nope dims on e4m3
     indexer_fp4: bool = False   # Hadamard + e2m1 on indexer queries and keys
+    wo_a_quant: bool = False    # e4m3 input of wo_a when stored in fp8: the fast numerics' one extra rounding
 
     @staticmethod
     def named(name: str) -> "Numerics":
@@ -40,7 +41,9 @@ class Numerics:
             return Numerics()
         if name == "faithful":
             return Numerics(True, True, True)
-        raise ValueError(f"unknown numerics '{name}' (expected exact or faithful)")
+        if name == "fast":
+            return Numerics(True, True, True, True)
+        raise ValueError(f"unknown numerics '{name}' (expected exact, faithful or fast)")
 
 
 @dataclass
@@ -69,7 +72,7 @@ class Layer:
 class Model:
     def __init__(self, cfg: ModelConfig, weights, numerics: Numerics = Numerics(), quantized=frozenset()):
         """weights: official name -> float32 array (dequantised); quantized: names stored as fp8/fp4."""
-        self.cfg, self.numerics = cfg, numerics
+        self.cfg, self.numerics, self.quantized = cfg, numerics, quantized
         W = weights
 
         def lin(name):
@@ -97,6 +100,7 @@ class Model:
         kv_round = partial(quant.kv_round, rope_dim=cfg.rope_dim) if n.kv_fp8 else None
         idx_round = quant.indexer_round if n.indexer_fp4 else None
         a = p + "attn."
+        o_round = quant.act_quant if n.wo_a_quant and a + "wo_a.weight" in self.quantized else None
         indexer = None
         if kind == CSA:
             indexer = Indexer(lin(a + "indexer.wq_b.weight"), W[a + "indexer.weights_proj.weight"],
@@ -105,7 +109,7 @@ class Model:
             lin(a + "wq_a.weight"), W[a + "q_norm.weight"], lin(a + "wq_b.weight"), lin(a + "wkv.weight"),
             W[a + "kv_norm.weight"], W[a + "wo_a.weight"], lin(a + "wo_b.weight"), W[a + "attn_sink"],
             cfg.num_heads, cfg.o_groups, cfg.window, ratio, cfg.eps, rope,
-            comp(a + "compressor.", kv_round) if kind != SLIDING else None, indexer, kv_round)
+            comp(a + "compressor.", kv_round) if kind != SLIDING else None, indexer, kv_round, o_round)
 
         def expert(q):
             return Expert(lin(q + "w1.weight"), lin(q + "w2.weight"), lin(q + "w3.weight"), cfg.swiglu_limit)
