@@ -204,7 +204,7 @@ def test_act_quant_then_gemm_in_a_replayed_graph(rt, dev, dtype):
             launch(rt.stream)
     for trial in range(2):
         x = activations(m + trial, k)[:m].astype(dtype).astype(np.float32)
-        dx.copy_from_host(x.astype(dtype))
+        dx.copy_from_host(x.astype(dtype), rt.stream)  # a pageable copy may return before its DMA lands
         graph.replay()
         assert rel_rows(fetch(rt, dy, (m, n), np.float32), linear(x)).max() < 1e-2
     graph.close()

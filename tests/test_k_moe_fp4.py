@@ -325,7 +325,7 @@ def test_released_checkpoint_from_raw_weights(rt, blas, released, dtype, tokens)
                      tid2eid=W[f + "gate.tid2eid"].ptr if hashed else None, ids=dids.ptr if hashed else None)
         x = untied_inputs(rng, ref.gate, ref.bias, cfg.n_active, tokens)
         ids = rng.integers(0, cfg.vocab_size, tokens).astype(np.int32)
-        dx.copy_from_host(x.astype(dtype))
+        dx.copy_from_host(x.astype(dtype), rt.stream)  # a pageable copy may return before its DMA lands
         dids.copy_from_host(ids)
         moe(rt.stream)
         y = fetch(rt, dy, (tokens, D), dtype).astype(np.float32)
