@@ -93,7 +93,7 @@ def check_graph_replay(rt, blas, layer, build):
     ref_moe = layer.reference(False)
     for seed in (5, 6):
         x, token_ids = layer.inputs(tokens, False, seed)
-        dx.copy_from_host(x.astype(dtype), rt.stream)  # a pageable copy may return before its DMA lands
+        dx.copy_from_host(x.astype(dtype), stream)  # a pageable copy may return before its DMA lands
         dy.copy_from_host(np.full((tokens, layer.dim), np.nan, dtype))
         graph.replay()
         stream.synchronize()

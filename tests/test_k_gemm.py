@@ -119,7 +119,7 @@ def test_graph_replays_gemms_on_new_inputs(rt, blas):
         second(stream)
     for trial in range(2):
         x = random(rng, (m, k))
-        dx.copy_from_host(x.astype(BF16), rt.stream)  # a pageable copy may return before its DMA lands
+        dx.copy_from_host(x.astype(BF16), stream)  # a pageable copy may return before its DMA lands
         graph.replay()
         stream.synchronize()
         y = dy.copy_to_host(np.empty((m, groups, 256), np.float32))
