@@ -94,7 +94,7 @@ def check_graph_replay(rt, blas, layer, build):
     for seed in (5, 6):
         x, token_ids = layer.inputs(tokens, False, seed)
         dx.copy_from_host(x.astype(dtype), stream)  # a pageable copy may return before its DMA lands
-        dy.copy_from_host(np.full((tokens, layer.dim), np.nan, dtype))
+        dy.copy_from_host(np.full((tokens, layer.dim), np.nan, dtype), stream)
         graph.replay()
         stream.synchronize()
         y = dy.copy_to_host(np.empty((tokens, layer.dim), dtype)).astype(np.float32)
