@@ -303,9 +303,10 @@ def make_request(rng, dtype, n_keys, positions, heads, dim, keys=None, x=None):
     return dict(keys=rounded(keys), q=rounded(q), x=x, pos=np.asarray(positions, np.int32))
 
 
-def run_indexer(rt, dtype, requests, *, topk, rope_dim, rope_in_kernel, pad_rows=0, seed=0):
+def run_indexer(rt, dtype, requests, *, topk, rope_dim, rope_in_kernel, pad_rows=0, seed=0, kernels=None):
     """One launch over the rows of every request, then poisoned padding rows. Returns per request
-    (selected rows, kernel scores, reference mask, float64 scores of the reference's q, visible)."""
+    (selected rows, kernel scores, reference mask, float64 scores of the reference's q, visible); the names of the
+    kernels launched are appended to `kernels`."""
     rng = np.random.default_rng(seed)
     heads, dim = requests[0]["q"].shape[1:]
     inv_freq = inv_freq_table(rope_dim)
@@ -337,6 +338,8 @@ def run_indexer(rt, dtype, requests, *, topk, rope_dim, rope_in_kernel, pad_rows
         up(np.concatenate(pos)), up(np.concatenate(req)), rows=rows, heads=heads, head_dim=dim, topk=topk,
         n_max=n_max, inv_freq=up(inv_freq) if rope_in_kernel else None, rope_dim=rope_dim)
     launch(rt.stream)
+    if kernels is not None:
+        kernels += [k.kernel.name for k in launch.launches]
     sel = up.fetch(d_sel, np.empty((rows, topk), np.int32))
     scores = up.fetch(d_scores, np.empty((rows, n_max), np.float32))
     up.free()
@@ -417,6 +420,25 @@ def test_indexer_prefill_rows_take_one_block_each(rt, dtype, ties):
     req = make_request(rng, dtype, (p0 + n) // 4, np.arange(p0, p0 + n), 64, 128, keys=keys)
     check_selection(run_indexer(rt, dtype, [req], topk=512, rope_dim=64, rope_in_kernel=True), 512, SCORE_TOL[dtype],
                     exact=ties)
+
+
+@pytest.mark.parametrize("rope_in_kernel", [True, False])
+def test_indexer_prefill_step_on_wgmma(rt, rope_in_kernel):
+    """A step of two prefill chunks and a decode row, 403 + 301 + 1 rows and 2 of padding (at least WGMMA_MIN_ROWS:
+    the wgmma kernel on sm_90a, its 4-row groups straddling the requests), visible counts crossing k and the
+    128-key tiles."""
+    from dsv4rt.model.compress import WGMMA_ARCH
+    if rt.device.arch != WGMMA_ARCH:
+        pytest.skip(f"wgmma runs on {WGMMA_ARCH}")
+    rng = np.random.default_rng(15)
+    reqs = [make_request(rng, BF16, 2303 // 4, np.arange(1900, 2303), 64, 128),
+            make_request(rng, BF16, 301 // 4, np.arange(0, 301), 64, 128),
+            make_request(rng, BF16, 3000, [4 * 3000 - 1], 64, 128)]
+    kernels = []
+    results = run_indexer(rt, BF16, reqs, topk=512, rope_dim=64, rope_in_kernel=rope_in_kernel, pad_rows=2,
+                          kernels=kernels)
+    assert "indexer_scores_wgmma" in kernels
+    check_selection(results, 512, SCORE_TOL[BF16])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

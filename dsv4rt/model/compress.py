@@ -26,6 +26,9 @@ CLUSTER_ROWS = 2          # beyond, one block a row (H200, flash-slice 8K prefil
 SELECT_THREADS = 512
 CANDIDATES = 3072         # top-k candidates a block holds in shared memory (24 KB)
 MAX_GRID_Y = 65535
+# indexer_wgmma.cu: kRows rows a block, its dynamic shared memory (q tile, 4 key tiles of 128, alignment); taken for
+# steps of at least WGMMA_MIN_ROWS rows, where consecutive rows share their request (prefill chunks)
+WGMMA_ROWS, WGMMA_SHARED, WGMMA_MIN_ROWS, WGMMA_ARCH = 4, 4 * 64 * 256 + 4 * 128 * 256 + 1024, 512, "sm_90a"
 
 _POOL = ("compress_pool<float>", "compress_pool<__nv_bfloat16>", "compress_pool<float,true>",
          "compress_pool<__nv_bfloat16,true>", "compress_pool<float,false,true>")
@@ -107,7 +110,8 @@ def indexer_select(device: Device, dtype, selected: int, scores: int, q: int, w:
     [rows, n_max], n_max at least every row's visible count (pos+1)//ratio (the kernels clamp to it).
     selected: int32 [rows, topk], the min(topk, visible) best entries in ascending index order, ties
     toward the lower index, then -1. The bf16 build at head_dim 128 scores on the tensor cores (q rounded to
-    bf16 after the rope); the others in exact float32.
+    bf16 after the rope): on wgmma, 4 rows a block, for steps of WGMMA_MIN_ROWS rows or more with 64 heads and bf16
+    keys on sm_90a; the others in exact float32.
     fp4_keys (faithful numerics): keys holds packed entries (indexer_entry_bytes; 4-byte aligned for the
     tensor-core kernel). A kernel of its own first ropes q (as above), rotates and rounds it in place to the
     values of reference.quant.indexer_round (exact in bf16); the scores dequantise the keys exactly.
@@ -135,7 +139,14 @@ def indexer_select(device: Device, dtype, selected: int, scores: int, q: int, w:
     common = [*keys.args(), ctypes.c_void_p(positions), ctypes.c_void_p(req), ctypes.c_void_p(inv_freq or 0),
               ctypes.c_int(rope_dim if inv_freq else 0), ctypes.c_int(heads)]
     tiles = max(1, -(-n_max // KEY_TILE))
-    if mma:
+    wgmma = mma and not fp4_keys and heads == INDEX_HEADS and rows >= WGMMA_MIN_ROWS and device.arch == WGMMA_ARCH
+    if wgmma:
+        score = device.kernel("indexer_wgmma", "indexer_scores_wgmma", ("indexer_scores_wgmma",))
+        shared, groups = WGMMA_SHARED, -(-rows // WGMMA_ROWS)
+        splits = min(-(-n_max // (2 * KEY_TILE)), max(1, -(-4 * device.sm_count // groups)))   # blocks of long rows: waves alike
+        score_args = [ctypes.c_void_p(scores), ctypes.c_void_p(q), ctypes.c_void_p(w), *common[:-1],
+                      ctypes.c_int(rows), ctypes.c_int(n_max), ctypes.c_int(ratio)]
+    elif mma:
         score = device.kernel("indexer", f"indexer_scores_mma<{'true' if fp4_keys else 'false'}>", _INDEXER)
         tile = KEY_TILE * (MMA_DIM + 8) * 2   # a bf16 key tile, rows padded by 16 bytes
         if fp4_keys:   # one, and the packed tiles in flight
@@ -162,6 +173,7 @@ def indexer_select(device: Device, dtype, selected: int, scores: int, q: int, w:
     select_args = [ctypes.c_void_p(selected), ctypes.c_void_p(scores), ctypes.c_void_p(positions),
                    ctypes.c_void_p(req), ctypes.c_int(n_max), ctypes.c_int(topk), ctypes.c_int(ratio),
                    ctypes.c_int(candidates)]
-    return LaunchSequence(*launches, score.bind((splits, rows), SCORE_THREADS, score_args, shared=shared),
+    score_grid = (splits, groups if wgmma else rows)
+    return LaunchSequence(*launches, score.bind(score_grid, SCORE_THREADS, score_args, shared=shared),
                           select.bind((cluster, rows), SELECT_THREADS, select_args, shared=select_shared))
 
