@@ -143,7 +143,7 @@ def indexer_select(device: Device, dtype, selected: int, scores: int, q: int, w:
     if wgmma:
         score = device.kernel("indexer_wgmma", "indexer_scores_wgmma", ("indexer_scores_wgmma",))
         shared, groups = WGMMA_SHARED, -(-rows // WGMMA_ROWS)
-        splits = min(-(-n_max // (2 * KEY_TILE)), max(1, -(-4 * device.sm_count // groups)))   # blocks of long rows: waves alike
+        splits = min(-(-n_max // (2 * KEY_TILE)), max(1, -(-4 * device.sm_count // groups)))  # even waves
         score_args = [ctypes.c_void_p(scores), ctypes.c_void_p(q), ctypes.c_void_p(w), *common[:-1],
                       ctypes.c_int(rows), ctypes.c_int(n_max), ctypes.c_int(ratio)]
     elif mma:
