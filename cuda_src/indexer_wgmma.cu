@@ -88,7 +88,8 @@ __global__ void __launch_bounds__(256, 1) indexer_scores_wgmma(
 #pragma unroll
         for (int r = 0; r < kRows; ++r) seen = request[r] == rq ? max(seen, visible[r]) : seen;
         const int n_tiles = (seen + kTileKeys - 1) / kTileKeys;
-        const int mine = static_cast<int>(blockIdx.x) < n_tiles ? (n_tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+        const int x = blockIdx.x;
+        const int mine = x < n_tiles ? (n_tiles - x + gridDim.x - 1) / gridDim.x : 0;
         const long long* pages = key_pages + page_start[rq];
         // thread t copies 64-dim half t % 2 of key row t / 2: eight 16-byte chunks
         auto issue = [&](int i) {
@@ -141,7 +142,8 @@ __global__ void __launch_bounds__(256, 1) indexer_scores_wgmma(
             float mine_sum[2] = {0.f, 0.f};
 #pragma unroll
             for (int r = 0; r < kRows; ++r)
-                if (r == l4) mine_req = request[r], mine_visible = visible[r], mine_sum[0] = sum[r][0], mine_sum[1] = sum[r][1];
+                if (r == l4)
+                    mine_req = request[r], mine_visible = visible[r], mine_sum[0] = sum[r][0], mine_sum[1] = sum[r][1];
             if (mine_req == rq) {
                 const int j = (blockIdx.x + i * gridDim.x) * kTileKeys + key_in_tile;
                 float* out = scores + static_cast<size_t>(t0 + l4) * n_max;
