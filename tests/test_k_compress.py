@@ -303,10 +303,10 @@ def make_request(rng, dtype, n_keys, positions, heads, dim, keys=None, x=None):
     return dict(keys=rounded(keys), q=rounded(q), x=x, pos=np.asarray(positions, np.int32))
 
 
-def run_indexer(rt, dtype, requests, *, topk, rope_dim, rope_in_kernel, pad_rows=0, seed=0, kernels=None):
+def run_indexer(rt, dtype, requests, *, topk, rope_dim, rope_in_kernel, pad_rows=0, seed=0, launched=None):
     """One launch over the rows of every request, then poisoned padding rows. Returns per request
     (selected rows, kernel scores, reference mask, float64 scores of the reference's q, visible); the names of the
-    kernels launched are appended to `kernels`."""
+    kernels launched are appended to `launched`."""
     rng = np.random.default_rng(seed)
     heads, dim = requests[0]["q"].shape[1:]
     inv_freq = inv_freq_table(rope_dim)
@@ -338,8 +338,8 @@ def run_indexer(rt, dtype, requests, *, topk, rope_dim, rope_in_kernel, pad_rows
         up(np.concatenate(pos)), up(np.concatenate(req)), rows=rows, heads=heads, head_dim=dim, topk=topk,
         n_max=n_max, inv_freq=up(inv_freq) if rope_in_kernel else None, rope_dim=rope_dim)
     launch(rt.stream)
-    if kernels is not None:
-        kernels += [k.kernel.name for k in launch.launches]
+    if launched is not None:
+        launched += [k.kernel.name for k in launch.launches]
     sel = up.fetch(d_sel, np.empty((rows, topk), np.int32))
     scores = up.fetch(d_scores, np.empty((rows, n_max), np.float32))
     up.free()
@@ -434,10 +434,10 @@ def test_indexer_prefill_step_on_wgmma(rt, rope_in_kernel):
     reqs = [make_request(rng, BF16, 2303 // 4, np.arange(1900, 2303), 64, 128),
             make_request(rng, BF16, 301 // 4, np.arange(0, 301), 64, 128),
             make_request(rng, BF16, 3000, [4 * 3000 - 1], 64, 128)]
-    kernels = []
+    launched = []
     results = run_indexer(rt, BF16, reqs, topk=512, rope_dim=64, rope_in_kernel=rope_in_kernel, pad_rows=2,
-                          kernels=kernels)
-    assert "indexer_scores_wgmma" in kernels
+                          launched=launched)
+    assert "indexer_scores_wgmma" in launched
     check_selection(results, 512, SCORE_TOL[BF16])
 
 
