@@ -43,10 +43,10 @@ def test_tiny_a_fast_is_faithful(rt):
 
 def near_fast_reference(got: np.ndarray, want: np.ndarray) -> bool:
     """Rows within 1e-4 of the reference but for a few: fast's one more rounding, act_quant of the attention output,
-    flips an element where the float32 build's o and numpy's differ in the last bit (H200: one row of 260 at 2.7e-2),
-    and the flip moves that row by about one e4m3 step of the element."""
+    flips an element where the float32 build's o and numpy's differ in the last bit (H200: one row of 260 at 2.7e-2,
+    one of the 11 decode rows), and the flip moves that row by about one e4m3 step of the element."""
     err = rel_rows(got, want)
-    return np.mean(err < 1e-4) >= 0.98 and err.max() < 5e-2
+    return np.sum(err >= 1e-4) <= max(1, len(err) // 50) and err.max() < 5e-2
 
 
 def test_conditioned_float32_matches_the_fast_reference_in_every_run(rt, cases):
