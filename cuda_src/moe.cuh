@@ -10,3 +10,17 @@ __device__ __forceinline__ int tile_expert(const int* tile_offsets, int experts,
     }
     return e;
 }
+
+// The sources of a tile's rows first, first + 32, ... (N of them) at column col of a [., k]: sorted row r is a's row
+// perm[r] / active when perm is given (a routed pair's token), else r; rows from row_end on are not the expert's and
+// read nothing (ok false, src a valid address to copy zeros from).
+template <typename T, int N>
+__device__ __forceinline__ void tile_sources(const T* (&src)[N], bool (&ok)[N], const T* a, const int* perm, int active,
+                                             int first, int row_end, int k, int col) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const int r = first + 32 * i;
+        ok[i] = r < row_end;
+        src[i] = a + (ok[i] ? static_cast<size_t>(perm ? perm[r] / active : r) * k : 0) + col;
+    }
+}

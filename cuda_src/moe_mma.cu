@@ -42,12 +42,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     const int part = (threadIdx.x & 3) * 8, copy_row = threadIdx.x >> 2;
     const T* a_src[A_COPIES];
     bool a_ok[A_COPIES];
-#pragma unroll
-    for (int i = 0; i < A_COPIES; ++i) {
-        const int r = row0 + copy_row + 32 * i;
-        a_ok[i] = r < row_end;
-        a_src[i] = a + (a_ok[i] ? static_cast<size_t>(perm ? perm[r] / active : r) * k : 0) + part;
-    }
+    tile_sources(a_src, a_ok, a, perm, active, row0 + copy_row, row_end, k, part);
     const T* b_src[B_COPIES];
     bool b_ok[B_COPIES];
 #pragma unroll

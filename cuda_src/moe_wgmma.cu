@@ -103,12 +103,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     const int part = threadIdx.x & 7, copy_row = threadIdx.x >> 3;
     const T* a_src[A_COPIES];
     bool a_ok[A_COPIES];
-#pragma unroll
-    for (int i = 0; i < A_COPIES; ++i) {
-        const int r = row0 + copy_row + 32 * i;
-        a_ok[i] = r < row_end;
-        a_src[i] = a + (a_ok[i] ? static_cast<size_t>(perm ? perm[r] / active : r) * k : 0) + part * 8;
-    }
+    tile_sources(a_src, a_ok, a, perm, active, row0 + copy_row, row_end, k, part * 8);
     // b row j of the tile: GATED interleaves w1 and w3 8 rows at a time.
     const auto weight_row = [&](int j, const unsigned long long* firsts, const unsigned long long* seconds,
                                 size_t row_bytes, bool& ok) {

@@ -18,6 +18,26 @@ def rel_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 
+def replays_the_eager_step(m, ids, start: int, rows: int) -> bool:
+    """GpuModel m fed ids[:start], then a step of the next `rows` tokens run eagerly and again as a captured graph:
+    whether the graph gives the eager logits bit for bit."""
+    from dsv4rt.cuda.device import Graph
+    from dsv4rt.model.forward import Entry
+    m.forward(ids[:start])
+    m.blocks.place(0, start + rows)
+    m.tables.refresh(0, m.blocks, 0, m.rt.stream)
+    entry = Entry(0, ids[start:start + rows], start)
+    eager = m.run([entry], every_row=True)
+    m.upload([entry])
+    graph = Graph(m.rt.stream)
+    with graph:
+        m.launch(rows, rows, False)
+    graph.replay(m.rt.stream)
+    same = np.array_equal(m.outputs(rows, every_row=True), eager)
+    graph.close()
+    return same
+
+
 def used_pages(engine) -> int:
     """KV pages the engine holds, over every size class."""
     a = engine.scheduler.blocks.allocator

@@ -25,7 +25,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from conditioned import T as CONDITIONED_T, conditioned_ids, make_conditioned
-from conftest import TINY_A, rel_rows
+from conftest import TINY_A, rel_rows, replays_the_eager_step
 from dsv4rt.config import CSA, HASH_MOE, HCA, MOE, SLIDING
 from dsv4rt.loader import Checkpoint, quant_fp4, quant_fp8, scale_name, to_official
 from dsv4rt.reference import load_model
@@ -218,22 +218,8 @@ def test_end_to_end_statistics(rt, cases, name, dtype):
 def test_decode_graphs_replay_the_faithful_step(rt, cases):
     """A bf16 decode step of the released format (fp8 linear layers, fp4 MoE, fp8 cache, fp4 indexer) captured and
     replayed gives the eager step's logits bit for bit."""
-    from dsv4rt.cuda.device import Graph
-    from dsv4rt.model.forward import Entry
     case = cases["official"]
-    m = gpu_model(rt, case, BF16)
-    m.forward(case.ids[:200])
-    m.blocks.place(0, 201)
-    m.tables.refresh(0, m.blocks, 0, m.rt.stream)
-    entry = Entry(0, case.ids[200:201], 200)
-    eager = m.run([entry], every_row=True)
-    m.upload([entry])
-    graph = Graph(m.rt.stream)
-    with graph:
-        m.launch(1, 1, False)
-    graph.replay(m.rt.stream)
-    assert np.array_equal(m.outputs(1), eager)
-    graph.close()
+    assert replays_the_eager_step(gpu_model(rt, case, BF16), case.ids, 200, 1)
 
 
 # --- the engine and the commands --------------------------------------------------------------------------------

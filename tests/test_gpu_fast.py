@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conditioned import T as CONDITIONED_T, conditioned_ids, make_conditioned
-from conftest import TINY_A, rel_rows
+from conftest import TINY_A, rel_rows, replays_the_eager_step
 from test_gpu_faithful import CHUNKS, MID, SPLIT, T, Case, gpu_model, gpu_runs
 
 pytestmark = pytest.mark.gpu
@@ -97,22 +97,8 @@ def test_end_to_end_statistics(rt, cases, name, dtype):
 
 
 def test_decode_graphs_replay_the_fast_step(rt, cases):
-    from dsv4rt.cuda.device import Graph
-    from dsv4rt.model.forward import Entry
     case = cases["official"]
-    m = gpu_model(rt, case, BF16)
-    m.forward(case.ids[:200])
-    m.blocks.place(0, 201)
-    m.tables.refresh(0, m.blocks, 0, m.rt.stream)
-    entry = Entry(0, case.ids[200:201], 200)
-    eager = m.run([entry], every_row=True)
-    m.upload([entry])
-    graph = Graph(m.rt.stream)
-    with graph:
-        m.launch(1, 1, False)
-    graph.replay(m.rt.stream)
-    assert np.array_equal(m.outputs(1), eager)
-    graph.close()
+    assert replays_the_eager_step(gpu_model(rt, case, BF16), case.ids, 200, 1)
 
 
 def test_engine_and_logits_command_run_fast(rt, cases, tmp_path):

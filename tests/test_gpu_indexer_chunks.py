@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import REAL_RATIOS, TINY_A, rel_rows
+from conftest import REAL_RATIOS, TINY_A, rel_rows, replays_the_eager_step
 from dsv4rt.config import CSA, HASH_MOE, HCA, MOE, SLIDING
 
 pytestmark = pytest.mark.gpu
@@ -76,23 +76,11 @@ def test_tensor_core_indexer_in_row_chunks(rt, models, numerics):
 
 
 def test_a_captured_step_of_chunks_replays_the_eager_one(rt):
-    from dsv4rt.cuda.device import Graph
-    from dsv4rt.model.forward import Entry, GpuModel
+    from dsv4rt.model.forward import GpuModel
     ids = dict(np.load(REAL_RATIOS / "golden.npz"))["input_ids"]
     m = GpuModel(REAL_RATIOS, BF16, runtime=rt, max_len=1024, kv_bytes=128 << 20, scores_budget=CHUNK * 257 * 4)
     assert (m.n_max, m.score_rows) == (257, CHUNK)
-    m.forward(ids[:200])
-    m.blocks.place(0, 300)
-    m.tables.refresh(0, m.blocks, 0, m.rt.stream)
-    entry = Entry(0, ids[200:300], 200)         # 100 rows: chunks of 48, 48 and 4
-    eager = m.run([entry], every_row=True)
-    m.upload([entry])
-    graph = Graph(m.rt.stream)
-    with graph:
-        m.launch(100, 100, False)
-    graph.replay(m.rt.stream)
-    assert np.array_equal(m.outputs(100, every_row=True), eager)
-    graph.close()
+    assert replays_the_eager_step(m, ids, 200, 100)   # 100 rows: chunks of 48, 48 and 4
 
 
 @pytest.mark.parametrize("name, dtype, numerics", [("real-ratios", np.float32, "exact"), ("real-ratios", BF16, "exact"),
