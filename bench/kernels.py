@@ -20,6 +20,7 @@ import numpy as np
 
 from results import save
 from dsv4rt.cuda import ops
+from dsv4rt.cuda.build import WGMMA_ARCH
 from dsv4rt.cuda.device import Event, Graph
 from dsv4rt.cuda.driver import check, drv
 from dsv4rt.cuda.runtime import Runtime
@@ -184,8 +185,8 @@ def fp8_prefill(b: Bench):
     shapes = [("fp8 prefill wq_a 4096>1024", D, QL), ("fp8 prefill wq_b 1024>32768", QL, H * HD),
               ("fp8 prefill wo_b 8192>4096", G * OL, D), ("fp8 prefill shared w1 4096>2048", D, INTER)]
     shapes = [s for s in shapes if b.wants(s[0])]
-    if shapes and b.dev.arch != gemm_fp8.ARCH:
-        print(f"fp8 prefill rows skipped: the wgmma kernel needs {gemm_fp8.ARCH}, this is {b.dev.arch}")
+    if shapes and b.dev.arch != WGMMA_ARCH:
+        print(f"fp8 prefill rows skipped: the wgmma kernel needs {WGMMA_ARCH}, this is {b.dev.arch}")
         return
     for name, k, n in shapes:
         kb = k // 128

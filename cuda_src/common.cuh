@@ -162,6 +162,9 @@ __device__ __forceinline__ void cp_async16_or_zero(void* smem, const void* gmem,
 __device__ __forceinline__ void cp_async4_or_zero(unsigned smem, const void* gmem, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem), "l"(gmem), "r"(valid ? 4 : 0));
 }
+__device__ __forceinline__ void cp_async4_or_zero(void* smem, const void* gmem, bool valid) {
+    cp_async4_or_zero(smem_u32(smem), gmem, valid);
+}
 __device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_u32(smem)), "l"(gmem));
 }

@@ -1,4 +1,4 @@
-// dsv4rt-instantiate: act_quant<float> act_quant<__nv_bfloat16> act_round<__nv_bfloat16>
+// dsv4rt-instantiate: act_quant<float> act_quant<__nv_bfloat16>
 // dsv4rt-instantiate: dequantize_weight<float> dequantize_weight<__nv_bfloat16>
 // dsv4rt-instantiate: fp8_skinny_gemm<float,E4m3Bytes,1> fp8_skinny_gemm<float,E4m3Bytes,2>
 // dsv4rt-instantiate: fp8_skinny_gemm<__nv_bfloat16,E4m3Bytes,1> fp8_skinny_gemm<__nv_bfloat16,E4m3Bytes,2>
@@ -14,10 +14,24 @@ using E4m3Bytes = unsigned char;  // act_quant-ed activations: a name for the in
 // Four elements of T in one access (p aligned to four elements).
 template <typename T> struct alignas(4 * sizeof(T)) Quad { T e[4]; };
 
-// One warp's block of a row for act_quant and act_round: columns col.. (four a lane) of x, and the block's scale byte.
+// reference.quant.act_quant per row and block of 128 columns (the last may be shorter): s (act_scale_byte) and the
+// codes e4m3(x / s) (act_codes), infinities and finite values above 448 of a non-finite block saturating to ±448,
+// NaN staying NaN. Written as bytes when q is given, q [rows, k] the codes and scale [rows, ceil(k/128)] the e8m0
+// bytes of s; as values when rounded is given, rounded [rows, k] = e4m3(x / s) · s, exact in T (the input of the
+// tensor-core GEMMs that widen both operands to bf16; it may be x). One warp per block of a row, four columns a lane.
 template <typename T>
-__device__ __forceinline__ unsigned act_block(const T* x, size_t at, int col, int k, bool vec, float (&v)[4]) {
-    if (vec && col < k) {
+__global__ void __launch_bounds__(256) act_quant(unsigned char* q, unsigned char* scale, T* rounded, const T* x,
+                                                 int rows, int k) {
+    const int lane = threadIdx.x & 31, nkb = (k + kFp8Block - 1) / kFp8Block;
+    const long long task = static_cast<long long>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (task >= static_cast<long long>(rows) * nkb) return;  // whole warps
+    const int row = static_cast<int>(task / nkb), kb = static_cast<int>(task % nkb), col = kb * kFp8Block + 4 * lane;
+    const size_t at = static_cast<size_t>(row) * k + col;
+    const auto aligned = [](const void* p, unsigned n) { return reinterpret_cast<unsigned long long>(p) % n == 0; };
+    const bool vec = k % 4 == 0 && col < k && aligned(x, sizeof(Quad<T>)) && aligned(q, 4) &&
+                     aligned(rounded, sizeof(Quad<T>));
+    float v[4];
+    if (vec) {
         const Quad<T> quad = *reinterpret_cast<const Quad<T>*>(x + at);
 #pragma unroll
         for (int i = 0; i < 4; ++i) v[i] = to_float(quad.e[i]);
@@ -30,62 +44,35 @@ __device__ __forceinline__ unsigned act_block(const T* x, size_t at, int col, in
 #pragma unroll
     for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(v[i])), finite &= isfinite(v[i]);
     amax = warp_max(amax);  // fmaxf drops NaN: non-finite blocks are told apart by the vote instead
-    return act_scale_byte(amax, __all_sync(0xffffffffu, finite));
-}
-
-// reference.quant.act_quant as bytes: per row and block of 128 columns (the last may be shorter), the e8m0 byte of
-// s (act_scale_byte) in scale [rows, ceil(k/128)], and q [rows, k] = e4m3(x / s) (act_codes): infinities and finite
-// values above 448 of a non-finite block saturate to ±448, NaN stays NaN. One warp per block of a row, four columns
-// a lane.
-template <typename T>
-__global__ void __launch_bounds__(256) act_quant(unsigned char* q, unsigned char* scale, const T* x, int rows, int k) {
-    const int lane = threadIdx.x & 31, nkb = (k + kFp8Block - 1) / kFp8Block;
-    const long long task = static_cast<long long>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (task >= static_cast<long long>(rows) * nkb) return;  // whole warps
-    const int row = static_cast<int>(task / nkb), kb = static_cast<int>(task % nkb), col = kb * kFp8Block + 4 * lane;
-    const size_t at = static_cast<size_t>(row) * k + col;
-    const bool vec = k % 4 == 0 && (reinterpret_cast<unsigned long long>(x) % sizeof(Quad<T>)) == 0 &&
-                     (reinterpret_cast<unsigned long long>(q) & 3) == 0;
-    float v[4];
-    const unsigned byte = act_block(x, at, col, k, vec, v);
-    const float inv = act_inverse(byte);
-    const unsigned packed = act_codes(v[0], v[1], inv) | static_cast<unsigned>(act_codes(v[2], v[3], inv)) << 16;
-    if (vec && col < k) {
-        *reinterpret_cast<unsigned*>(q + at) = packed;
-    } else {
+    const unsigned byte = act_scale_byte(amax, __all_sync(0xffffffffu, finite));
+    const float inv = e8m0_value(254u - byte);
+    const unsigned short codes[2] = {act_codes(v[0], v[1], inv), act_codes(v[2], v[3], inv)};
+    if (q != nullptr) {
+        const unsigned packed = codes[0] | static_cast<unsigned>(codes[1]) << 16;
+        if (vec) {
+            *reinterpret_cast<unsigned*>(q + at) = packed;
+        } else {
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-            if (col + i < k) q[at + i] = static_cast<unsigned char>(packed >> (8 * i));
+            for (int i = 0; i < 4; ++i)
+                if (col + i < k) q[at + i] = static_cast<unsigned char>(packed >> (8 * i));
+        }
+        if (lane == 0) scale[static_cast<size_t>(row) * nkb + kb] = static_cast<unsigned char>(byte);
     }
-    if (lane == 0) scale[static_cast<size_t>(row) * nkb + kb] = static_cast<unsigned char>(byte);
-}
-
-// out [rows, k] = the values act_quant represents, e4m3(x / s) · s, exact in T (the inputs of tensor-core GEMMs that
-// widen both operands to bf16). Launched as act_quant; out may be x.
-template <typename T>
-__global__ void __launch_bounds__(256) act_round(T* out, const T* x, int rows, int k) {
-    const int lane = threadIdx.x & 31, nkb = (k + kFp8Block - 1) / kFp8Block;
-    const long long task = static_cast<long long>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (task >= static_cast<long long>(rows) * nkb) return;
-    const int row = static_cast<int>(task / nkb), kb = static_cast<int>(task % nkb), col = kb * kFp8Block + 4 * lane;
-    const size_t at = static_cast<size_t>(row) * k + col;
-    const bool vec = k % 4 == 0 && (reinterpret_cast<unsigned long long>(x) % sizeof(Quad<T>)) == 0 &&
-                     (reinterpret_cast<unsigned long long>(out) % sizeof(Quad<T>)) == 0;
-    float v[4];
-    const unsigned byte = act_block(x, at, col, k, vec, v);
-    const float inv = act_inverse(byte), s = __uint_as_float(byte << 23);
-    Quad<T> r;
+    if (rounded != nullptr) {
+        const float s = e8m0_value(byte);
+        Quad<T> r;
 #pragma unroll
-    for (int i = 0; i < 4; i += 2) {
-        const float2 e = e4m3x2_value(act_codes(v[i], v[i + 1], inv));
-        r.e[i] = from_float<T>(e.x * s), r.e[i + 1] = from_float<T>(e.y * s);
-    }
-    if (vec && col < k) {
-        *reinterpret_cast<Quad<T>*>(out + at) = r;
-    } else {
+        for (int i = 0; i < 2; ++i) {
+            const float2 e = e4m3x2_value(codes[i]);
+            r.e[2 * i] = from_float<T>(e.x * s), r.e[2 * i + 1] = from_float<T>(e.y * s);
+        }
+        if (vec) {
+            *reinterpret_cast<Quad<T>*>(rounded + at) = r;
+        } else {
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-            if (col + i < k) out[at + i] = r.e[i];
+            for (int i = 0; i < 4; ++i)
+                if (col + i < k) rounded[at + i] = r.e[i];
+        }
     }
 }
 

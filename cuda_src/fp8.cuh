@@ -1,6 +1,6 @@
-// e4m3 helpers of the faithful-mode fp8 kernels (fp8.cu, gemm_fp8.cu, moe_fp4.cu, the fp8 KV cache of kv_fp8.cuh),
-// docs/numerics.md#act-quant. e4m3 values travel as raw bytes, scales as e8m0 bytes (2^(byte - 127)), one per 128 values
-// of a row for activations, per 128 x 128 tile for weights.
+// e4m3 and e2m1 helpers of the faithful-mode kernels (fp8.cu, gemm_fp8.cu, moe_fp4.cu, moe_wgmma.cu, the fp8 KV cache
+// of kv_fp8.cuh, the fp4 indexer keys), docs/numerics.md#act-quant. e4m3 values travel as raw bytes, scales as e8m0
+// bytes (2^(byte - 127)), one per 128 values of a row for activations, per 128 x 128 tile for weights.
 #pragma once
 #include <cuda_fp8.h>
 
@@ -14,6 +14,40 @@ __device__ __forceinline__ unsigned word(const uint4& v, int i) {
 __device__ __forceinline__ float e8m0_to_float(unsigned b) {
     // 0 is 2^-127, below the normal range; 255 is NaN (as loader.formats.e8m0_to_float32)
     return b == 255 ? __uint_as_float(0x7fc00000u) : b == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(b << 23);
+}
+__device__ __forceinline__ float e8m0_value(unsigned byte) { return __uint_as_float(byte << 23); }  // byte in [1, 254]
+
+// As e8m0_to_float, a bf16 pair: 0 is 2^-127 (a bf16 subnormal), 255 NaN.
+__device__ __forceinline__ __nv_bfloat162 e8m0_bf16x2(unsigned byte) {
+    const unsigned short b = byte == 0 ? 0x0040 : byte == 255 ? 0x7fc0 : byte << 7;
+    return __halves2bfloat162(__ushort_as_bfloat16(b), __ushort_as_bfloat16(b));
+}
+
+// Eight e2m1 codes (code i in bits 4i .. 4i + 3) as four bf16 pairs, lowest value first, unscaled. The magnitudes'
+// bf16 high and low bytes come from byte-permute tables indexed by the 3-bit magnitude; value 2j's sign is bit
+// 8j + 3 of codes, value 2j + 1's bit 8j + 7: bits 7 of byte j of codes << 4 and of codes.
+__device__ __forceinline__ uint4 e2m1x8_bf16(unsigned codes) {
+    constexpr unsigned kHi0 = 0x3f3f3f00u, kHi1 = 0x40404040u;  // 0, .5, 1, 1.5 | 2, 3, 4, 6: 0x3f00, 0x3f80, ...
+    constexpr unsigned kLo0 = 0xc0800000u, kLo1 = 0xc0804000u;
+    const unsigned m = codes & 0x77777777u, shifted = codes << 4;
+    const unsigned hi03 = __byte_perm(kHi0, kHi1, m), lo03 = __byte_perm(kLo0, kLo1, m);
+    const unsigned hi47 = __byte_perm(kHi0, kHi1, m >> 16), lo47 = __byte_perm(kLo0, kLo1, m >> 16);
+    return make_uint4(__byte_perm(lo03, hi03, 0x5140) | (__byte_perm(shifted, codes, 0x4000) & 0x80008000u),
+                      __byte_perm(lo03, hi03, 0x7362) | (__byte_perm(shifted, codes, 0x5111) & 0x80008000u),
+                      __byte_perm(lo47, hi47, 0x5140) | (__byte_perm(shifted, codes, 0x6222) & 0x80008000u),
+                      __byte_perm(lo47, hi47, 0x7362) | (__byte_perm(shifted, codes, 0x7333) & 0x80008000u));
+}
+
+// e2m1x8_bf16's values times a block scale (e8m0_bf16x2), each product exact.
+__device__ __forceinline__ uint4 e2m1x8_scaled(unsigned codes, __nv_bfloat162 scale) {
+    uint4 v = e2m1x8_bf16(codes);
+    unsigned* w = reinterpret_cast<unsigned*>(&v);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const __nv_bfloat162 p = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(w + k), scale);
+        w[k] = *reinterpret_cast<const unsigned*>(&p);
+    }
+    return v;
 }
 
 // Two e4m3 codes (low byte first) exactly, NaN included.
@@ -43,5 +77,3 @@ __device__ __forceinline__ unsigned short act_codes(float a, float b, float inv)
     if (!isnan(p.y)) p.y = fminf(fmaxf(p.y, -kE4m3Max), kE4m3Max);
     return __nv_cvt_float2_to_fp8x2(p, __NV_SATFINITE, __NV_E4M3);
 }
-
-__device__ __forceinline__ float act_inverse(unsigned byte) { return __uint_as_float((254u - byte) << 23); }

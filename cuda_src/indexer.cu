@@ -188,11 +188,6 @@ constexpr int kKeyStride = kMmaDim + 8;  // bf16 per key row in shared memory: 2
 constexpr int kFp4Stages = 8;        // packed key tiles in flight per block (a quarter of the bytes of a bf16 tile)
 constexpr int kFp4Words = kMmaDim / 8 + kMmaDim / kFp4Block / 4;  // a packed entry: 16 words of codes, 1 of scales
 
-__device__ __forceinline__ void cp_async4_or_zero(void* smem, const void* gmem, bool valid) {
-    const unsigned s = smem_u32(smem);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 4 : 0));
-}
-
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<const unsigned*>(&v);
@@ -212,21 +207,10 @@ __device__ __forceinline__ void dequantise_fp4_tile(__nv_bfloat16* tile, const u
     static_assert(kKeys * kMmaDim / kFp4Block == kMmaThreads, "a scale block per thread");
     const int row = threadIdx.x % kKeys, block = threadIdx.x / kKeys;
     const unsigned* src = raw + row * kFp4Words;
-    const unsigned byte = src[kFp4Words - 1] >> 8 * block & 0xffu;
-    const __nv_bfloat162 scale = __halves2bfloat162(__ushort_as_bfloat16(static_cast<unsigned short>(byte << 7)),
-                                                    __ushort_as_bfloat16(static_cast<unsigned short>(byte << 7)));
+    const __nv_bfloat162 scale = e8m0_bf16x2(src[kFp4Words - 1] >> 8 * block & 0xffu);
     uint4* dst = reinterpret_cast<uint4*>(tile + row * kKeyStride + kFp4Block * block);
 #pragma unroll
-    for (int c = 0; c < kFp4Block / 8; ++c) {
-        uint4 v = e2m1x8_bf16(src[kFp4Block / 8 * block + c]);
-        unsigned* w = reinterpret_cast<unsigned*>(&v);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const __nv_bfloat162 p = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(w + k), scale);
-            w[k] = *reinterpret_cast<const unsigned*>(&p);
-        }
-        dst[c] = v;
-    }
+    for (int c = 0; c < kFp4Block / 8; ++c) dst[c] = e2m1x8_scaled(src[kFp4Block / 8 * block + c], scale);
 }
 
 // The bf16 indexer_scores for head_dim kMmaDim (same arguments less dim): keys × qᵀ on the tensor cores

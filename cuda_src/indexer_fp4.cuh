@@ -82,21 +82,6 @@ __device__ __forceinline__ void store_fp4_key(unsigned char* dst, float* x, int 
     }
 }
 
-// Eight codes (code i in bits 4i .. 4i + 3) as four bf16 pairs, lowest value first, unscaled. The magnitudes'
-// bf16 high and low bytes come from byte-permute tables indexed by the 3-bit magnitude; value 2j's sign is bit
-// 8j + 3 of codes, value 2j + 1's bit 8j + 7: bits 7 of byte j of codes << 4 and of codes.
-__device__ __forceinline__ uint4 e2m1x8_bf16(unsigned codes) {
-    constexpr unsigned kHi0 = 0x3f3f3f00u, kHi1 = 0x40404040u;  // 0, .5, 1, 1.5 | 2, 3, 4, 6: 0x3f00, 0x3f80, ...
-    constexpr unsigned kLo0 = 0xc0800000u, kLo1 = 0xc0804000u;
-    const unsigned m = codes & 0x77777777u, shifted = codes << 4;
-    const unsigned hi03 = __byte_perm(kHi0, kHi1, m), lo03 = __byte_perm(kLo0, kLo1, m);
-    const unsigned hi47 = __byte_perm(kHi0, kHi1, m >> 16), lo47 = __byte_perm(kLo0, kLo1, m >> 16);
-    return make_uint4(__byte_perm(lo03, hi03, 0x5140) | (__byte_perm(shifted, codes, 0x4000) & 0x80008000u),
-                      __byte_perm(lo03, hi03, 0x7362) | (__byte_perm(shifted, codes, 0x5111) & 0x80008000u),
-                      __byte_perm(lo47, hi47, 0x5140) | (__byte_perm(shifted, codes, 0x6222) & 0x80008000u),
-                      __byte_perm(lo47, hi47, 0x7362) | (__byte_perm(shifted, codes, 0x7333) & 0x80008000u));
-}
-
 // Values 8o .. 8o + 7 of the entry at e (any alignment), dequantised in float32 as decode_indexer_key does.
 __device__ __forceinline__ void load_fp4_octet(const unsigned char* e, int dim, int o, float (&v)[8]) {
     const unsigned char* c = e + 4 * o;

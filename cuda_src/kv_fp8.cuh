@@ -30,7 +30,6 @@ __device__ __forceinline__ unsigned kv_scale_byte(float amax) {
     const unsigned b = __float_as_uint(fmaxf(amax, 1e-4f));
     return (b >> 23) - 8 + ((b & 0x7fffffu) > 0x600000u);
 }
-__device__ __forceinline__ float e8m0_value(unsigned byte) { return __uint_as_float(byte << 23); }  // byte in [1, 254]
 
 // Round to nearest even (|x| <= 448 by the choice of scale).
 __device__ __forceinline__ unsigned short e4m3x2(float a, float b) {

@@ -15,38 +15,15 @@
 // a step's copies are issued two steps ahead, and a step's wgmma runs while the next step is being issued.
 //
 // FP4 (the experts as released, faithful numerics): the weights are packed e2m1 [n, k/2] with an e8m0 scale per
-// 1 x 32, widened to bf16 in shared memory (exact: e2m1 times a power of two), and a is act_round's bf16 (the
-// e4m3 values act_quant represents, exact too), so each product is the reference's and the sums are fp32. The
+// 1 x 32, widened to bf16 in shared memory (exact: e2m1 times a power of two), and a is act_quant's rounded bf16 (the
+// e4m3 values it represents, exact too), so each product is the reference's and the sums are fp32. The
 // packed bytes and scales stream into raw stages; before its wgmma each step is widened into one of two bf16
 // tiles. GATED FP4 rounds its output as act_quant would (per row and 128 columns: one block's tile) for w2.
 constexpr int kWgRows = 128, kWgCols = 256, kWgK = 64, kWgStages = 4, kWgThreads = 256;
 constexpr int kWgABytes = kWgRows * kWgK * 2, kWgBBytes = kWgCols * kWgK * 2;
 constexpr int kWgPacked = kWgCols * kWgK / 2, kWgRawBytes = kWgPacked + kWgCols * 4;  // packed rows, then scales
 
-// The dynamic shared memory of a block: kWgStages stages of a and b (FP4: raw b, then two widened b tiles), 1024
-// more for the alignment of the swizzled tiles.
-template <bool FP4>
-constexpr int kWgShared = FP4 ? kWgStages * (kWgABytes + kWgRawBytes) + 2 * kWgBBytes + 1024
-                              : kWgStages * (kWgABytes + kWgBBytes) + 1024;
-
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Eight e2m1 codes (low nibble first) times 2^(scale - 127) as four bf16 pairs. Sign and magnitude bits land where
-// bf16 keeps them, which reads the value times 2^-126 (0.5 as a subnormal); two exact bf16 multiplies restore it.
-__device__ __forceinline__ uint4 widen_e2m1x8(unsigned w, unsigned scale) {
-    const unsigned short sb = scale == 0 ? 0x0040 : scale == 255 ? 0x7fc0 : scale << 7;  // e8m0 0 is 2^-127
-    const __nv_bfloat162 up = __floats2bfloat162_rn(0x1p126f, 0x1p126f);
-    const __nv_bfloat162 sc = __halves2bfloat162(__ushort_as_bfloat16(sb), __ushort_as_bfloat16(sb));
-    unsigned out[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const unsigned b = w >> (8 * i);
-        const unsigned bits = (b & 7) << 6 | (b & 8) << 12 | (b & 0x70) << 18 | (b & 0x80) << 24;
-        const __nv_bfloat162 v = __hmul2(__hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), up), sc);
-        out[i] = *reinterpret_cast<const unsigned*>(&v);
-    }
-    return make_uint4(out[0], out[1], out[2], out[3]);
-}
-
 // v: this lane's values of its row's 128 output columns (the other three lanes of its quad hold the rest), rounded
 // onto the grid act_quant gives that block: e4m3(v / s) · s.
 template <int P>
@@ -64,7 +41,7 @@ __device__ __forceinline__ void round_as_act_quant(float (&v)[P][2]) {
         finite &= __shfl_xor_sync(quad, finite, o);
     }
     const unsigned byte = act_scale_byte(amax, finite);
-    const float inv = act_inverse(byte), s = __uint_as_float(byte << 23);
+    const float inv = e8m0_value(254u - byte), s = e8m0_value(byte);
 #pragma unroll
     for (int p = 0; p < P; ++p) {
         const float2 e = e4m3x2_value(act_codes(v[p][0], v[p][1], inv));
@@ -74,8 +51,9 @@ __device__ __forceinline__ void round_as_act_quant(float (&v)[P][2]) {
 #endif
 
 // Arguments as moe_gemm_mma (moe_sort with tile_rows kWgRows), FP4 with the scale tables s_first, s_second; grid
-// (ceil(n / (GATED ? 128 : 256)), row tiles), kWgThreads threads, dynamic shared memory kWgShared<FP4>. n and k must
-// be multiples of 64 (FP4: of 128), a and the weights 16-byte aligned (FP4 scales: 4-byte).
+// (ceil(n / (GATED ? 128 : 256)), row tiles), kWgThreads threads, dynamic shared memory for kWgStages stages of a
+// and b (FP4: raw b, then two widened b tiles) and 1024 more to align the swizzled tiles. n and k must be multiples
+// of 64 (FP4: of 128), a and the weights 16-byte aligned (FP4 scales: 4-byte).
 template <bool GATED, bool FP4>
 __global__ void __launch_bounds__(kWgThreads, 1)
     moe_gemm_wgmma(__nv_bfloat16* out, const __nv_bfloat16* a, const int* perm, int active, const float* weight,
@@ -90,6 +68,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     constexpr int STAGE = kWgABytes + (FP4 ? kWgRawBytes : kWgBBytes);
     extern __shared__ unsigned char smem_raw[];
     const unsigned base = (smem_u32(smem_raw) + 1023) & ~1023u;
+    unsigned char* stages = smem_raw + (base - smem_u32(smem_raw));  // generic address of base
     const unsigned widened = base + kWgStages * STAGE;  // FP4: the two bf16 b tiles (STAGE is a multiple of 1024)
 
     const int tile = blockIdx.y;
@@ -149,18 +128,18 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     };
     // FP4: thread t widens b row t of a step's raw stage into a bf16 tile (8 chunks of 8 values).
     auto widen = [&](int step) {
-        const unsigned char* raw = smem_raw + (base - smem_u32(smem_raw)) + (step % kWgStages) * STAGE + kWgABytes;
+        const unsigned char* raw = stages + (step % kWgStages) * STAGE + kWgABytes;
         const uint4* packed = reinterpret_cast<const uint4*>(raw + threadIdx.x * (kWgK / 2));
         const unsigned scales = *reinterpret_cast<const unsigned*>(raw + kWgPacked + threadIdx.x * 4);
         const int block = (step * kWgK) % 128 / 32;  // the step's first 32-column block within the scale word
-        unsigned char* tile = smem_raw + (widened - smem_u32(smem_raw)) + (step & 1) * kWgBBytes;
+        unsigned char* tile = stages + kWgStages * STAGE + (step & 1) * kWgBBytes;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const uint4 p = packed[h];
+            const __nv_bfloat162 scale = e8m0_bf16x2(scales >> (8 * (block + h)) & 0xff);
 #pragma unroll
             for (int q = 0; q < 4; ++q)
-                *reinterpret_cast<uint4*>(tile + swizzled(threadIdx.x, 4 * h + q)) =
-                    widen_e2m1x8(word(p, q), scales >> (8 * (block + h)) & 0xff);
+                *reinterpret_cast<uint4*>(tile + swizzled(threadIdx.x, 4 * h + q)) = e2m1x8_scaled(word(p, q), scale);
         }
     };
 

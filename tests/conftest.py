@@ -18,6 +18,12 @@ def rel_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 
+def skip_without_wgmma(rt):
+    from dsv4rt.cuda.build import WGMMA_ARCH
+    if rt.device.arch != WGMMA_ARCH:
+        pytest.skip(f"wgmma runs on {WGMMA_ARCH}")
+
+
 def replays_the_eager_step(m, ids, start: int, rows: int) -> bool:
     """GpuModel m fed ids[:start], then a step of the next `rows` tokens run eagerly and again as a captured graph:
     whether the graph gives the eager logits bit for bit."""

@@ -5,7 +5,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, rel_rows
+from conftest import FIXTURES, rel_rows, skip_without_wgmma
 from dsv4rt.config import ModelConfig
 from dsv4rt.kv.plan import CacheKind
 from dsv4rt.model import compress as kernels
@@ -427,9 +427,7 @@ def test_indexer_prefill_step_on_wgmma(rt, rope_in_kernel):
     """A step of two prefill chunks and a decode row, 403 + 301 + 1 rows and 2 of padding (at least WGMMA_MIN_ROWS:
     the wgmma kernel on sm_90a, its 4-row groups straddling the requests), visible counts crossing k and the
     128-key tiles."""
-    from dsv4rt.model.compress import WGMMA_ARCH
-    if rt.device.arch != WGMMA_ARCH:
-        pytest.skip(f"wgmma runs on {WGMMA_ARCH}")
+    skip_without_wgmma(rt)
     rng = np.random.default_rng(15)
     reqs = [make_request(rng, BF16, 2303 // 4, np.arange(1900, 2303), 64, 128),
             make_request(rng, BF16, 301 // 4, np.arange(0, 301), 64, 128),

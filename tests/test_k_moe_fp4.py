@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import rel_rows
+from conftest import rel_rows, skip_without_wgmma
 from moe_cases import BF16, VOCAB, bf16_grid, check_graph_replay, every_layer_kind, fetch, held, layer_inputs, ran, \
     untied_inputs, upload
 from test_k_fp8 import act_quant_bytes
@@ -249,15 +249,15 @@ def test_graph_replay_on_new_tokens(rt, blas, flash):
 
 # --- prefill batches on wgmma -----------------------------------------------------------------------------------
 
-def test_act_round_is_act_quant_dequantised(rt):
+def test_act_quant_rounded_is_act_quant_dequantised(rt):
     """Rows of 300 (a short last block), values over 40 binades, a zero block, inf and NaN: bit for bit."""
-    from dsv4rt.model.moe_fp4 import act_round
+    from dsv4rt.model import fp8
     rng = np.random.default_rng(7)
     x = bf16_grid(rng.standard_normal((33, 300)).astype(np.float32) * 2.0 ** rng.integers(-20, 20, (33, 1)))
     x[3, :128] = 0
     x[5, 7], x[6, 200], x[6, 201] = np.inf, np.nan, -np.inf
     dx = upload(rt, x.astype(BF16))
-    act_round(rt.device, BF16, dx.ptr, dx.ptr, *x.shape)(rt.stream)
+    fp8.act_quant(rt.device, BF16, 0, 0, dx.ptr, *x.shape, rounded=dx.ptr)(rt.stream)
     y = fetch(rt, dx, x.shape, BF16).astype(np.float32)
     want = quant.act_quant(x).astype(BF16).astype(np.float32)
     assert np.array_equal(np.isnan(y), np.isnan(want))
@@ -273,9 +273,7 @@ def test_wgmma(rt, blas, request, layer_name, tokens, hashed):
     21 binades (wide), which the widening to bf16 keeps exact. The more pairs, the likelier act_quant of the hidden
     row rounds one element the other way than numpy, whose sums differ in the last bits (H200: one token of 700 at
     1.6e-2): the worst row may sit at 3e-2."""
-    from dsv4rt.model.moe import WGMMA_ARCH
-    if rt.device.arch != WGMMA_ARCH:
-        pytest.skip(f"wgmma runs on {WGMMA_ARCH}")
+    skip_without_wgmma(rt)
     moe = run_and_compare(rt, blas, request.getfixturevalue(layer_name), BF16, tokens, hashed, seed=4000 + tokens,
                           path="wgmma", worst=3e-2)
     names = [launch.kernel.name for launch in moe.launches if hasattr(launch, "kernel")]

@@ -5,7 +5,7 @@ widths; and which kernel a layer takes."""
 import numpy as np
 import pytest
 
-from conftest import rel_rows
+from conftest import rel_rows, skip_without_wgmma
 from moe_cases import BF16, fetch, held, ran
 from test_k_moe import Layer, build, check_sort
 
@@ -18,12 +18,6 @@ def bf16_values(a: np.ndarray) -> np.ndarray:
     return a.astype(BF16).astype(np.float64)
 
 
-def needs_wgmma(rt, wgmma):
-    from dsv4rt.model.moe import WGMMA_ARCH
-    if wgmma and rt.device.arch != WGMMA_ARCH:
-        pytest.skip(f"wgmma runs on {WGMMA_ARCH}")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, k", [(128, 64), (192, 256), (64, 192), (320, 512)])
 @pytest.mark.parametrize("gated, gathered", [(True, True), (False, False), (False, True)],
@@ -31,7 +25,8 @@ def needs_wgmma(rt, wgmma):
 @pytest.mark.parametrize("wgmma", [False, True], ids=["mma", "wgmma"])
 def test_grouped_gemm(rt, dev, n, k, gated, gathered, wgmma):
     from dsv4rt.model.moe import MMA_ROWS, WGMMA_ROWS, grouped_mma
-    needs_wgmma(rt, wgmma)
+    if wgmma:
+        skip_without_wgmma(rt)
     rng = np.random.default_rng(n + k + 2 * gated + gathered)
     experts, pairs = len(COUNTS), int(COUNTS.sum())
     offsets = np.concatenate([[0], np.cumsum(COUNTS)]).astype(np.int32)
@@ -89,7 +84,8 @@ def wide():
 @pytest.mark.parametrize("with_shared", [True, False], ids=["shared", "no-shared"])
 @pytest.mark.parametrize("path", ["mma", "wgmma"])
 def test_layer(rt, blas, wide, tokens, hashed, with_shared, path):
-    needs_wgmma(rt, path == "wgmma")
+    if path == "wgmma":
+        skip_without_wgmma(rt)
     with ran(rt, blas, wide, build, BF16, tokens, hashed, seed=5000 + tokens, with_shared=with_shared,
              path=path) as (moe, x, ids, y):
         names = ["moe_gemm_wgmma<true,false>", "moe_gemm_wgmma<false,false>"] if path == "wgmma" else \

@@ -59,6 +59,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsv4rt" / "kernels"
 
 
+WGMMA_ARCH = "sm_90a"   # the target of Hopper's warpgroup MMA (and the tensor maps that feed it here)
+
+
 def device_arch(compute_capability: tuple[int, int]) -> str:
     """The 'a' targets unlock arch-specific instructions (wgmma, setmaxnreg); such a cubin runs on that arch alone."""
     major, minor = compute_capability

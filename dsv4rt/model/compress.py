@@ -5,6 +5,7 @@ import ctypes
 
 import numpy as np
 
+from ..cuda.build import WGMMA_ARCH
 from ..cuda.device import Device, Launch
 from ..cuda.ops import storage_name
 from ..kv.entries import indexer_entry_bytes, kv_entry_bytes, packed_kv
@@ -28,7 +29,7 @@ CANDIDATES = 3072         # top-k candidates a block holds in shared memory (24 
 MAX_GRID_Y = 65535
 # indexer_wgmma.cu: kRows rows a block, its dynamic shared memory (q tile, 4 key tiles of 128, alignment); taken for
 # steps of at least WGMMA_MIN_ROWS rows, where consecutive rows share their request (prefill chunks)
-WGMMA_ROWS, WGMMA_SHARED, WGMMA_MIN_ROWS, WGMMA_ARCH = 4, 4 * 64 * 256 + 4 * 128 * 256 + 1024, 512, "sm_90a"
+WGMMA_ROWS, WGMMA_SHARED, WGMMA_MIN_ROWS = 4, 4 * 64 * 256 + 4 * 128 * 256 + 1024, 512
 
 _POOL = ("compress_pool<float>", "compress_pool<__nv_bfloat16>", "compress_pool<float,true>",
          "compress_pool<__nv_bfloat16,true>", "compress_pool<float,false,true>")

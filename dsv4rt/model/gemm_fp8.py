@@ -7,7 +7,7 @@ import ctypes
 
 import numpy as np
 
-from ..cuda.build import declared
+from ..cuda.build import WGMMA_ARCH, declared
 from ..cuda.device import Device, Launch
 from ..cuda.driver import check, drv
 from ..cuda.ops import storage_name
@@ -18,7 +18,6 @@ TILE_N = 128                  # kTileN: columns of y a block owns
 WARPGROUP_ROWS = 64           # kWgRows: rows of y a consumer warpgroup owns
 STAGES = {1: 4, 2: 6}         # kStages<WG>
 ALIGN_SLACK = 1024            # the kernel aligns its stages to the 128-byte swizzle's 1024-byte period
-ARCH = "sm_90a"
 
 
 
@@ -55,8 +54,8 @@ def fp8_gemm(device: Device, x_q: int, x_scale: int, w: int, w_scale: int, y: in
         raise ValueError(f"warpgroups must be 1 or 2, got {warpgroups}")
     if m == 0:
         return NOTHING
-    if device.arch != ARCH:
-        raise RuntimeError(f"the prefill fp8 GEMM runs on {ARCH} (wgmma) only, this device is {device.arch}")
+    if device.arch != WGMMA_ARCH:
+        raise RuntimeError(f"the prefill fp8 GEMM runs on {WGMMA_ARCH} (wgmma) only, this device is {device.arch}")
     groups = warpgroups or warpgroups_for(m, n, device.sm_count)
     box_rows = min(WARPGROUP_ROWS * groups, m)  # a box within the tensor: rows past it stay stale, unstored
     kernel = device.kernel("gemm_fp8", f"fp8_prefill_gemm<{storage_name(out_dtype)},{groups}>", declared("gemm_fp8"))

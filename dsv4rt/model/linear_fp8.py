@@ -10,6 +10,7 @@ import re
 
 import numpy as np
 
+from ..cuda.build import WGMMA_ARCH
 from ..cuda.device import Device, Launch
 from ..loader import Checkpoint, expected_shapes
 from . import fp8, gemm_fp8
@@ -29,7 +30,7 @@ def fp8_gemm(device: Device, out_dtype, y: int, xq: int, xs: int, w: int, w_scal
     a 128-column block comes out ~4e-4 off, below a bf16 output's rounding but enough to flip later act_quant
     roundings of a float32 build, whose layers match the reference's fp32 sums to 1e-4 only on the CUDA cores."""
     group_n = group_n or n
-    tiled = group_n % gemm_fp8.TILE_N == 0 and k % fp8.BLOCK == 0 and device.arch == gemm_fp8.ARCH
+    tiled = group_n % gemm_fp8.TILE_N == 0 and k % fp8.BLOCK == 0 and device.arch == WGMMA_ARCH
     if m > SKINNY_ROWS and tiled and np.dtype(out_dtype) != np.float32:
         return gemm_fp8.fp8_gemm(device, xq, xs, w, w_scale, y, m, n, k, out_dtype, group_n=group_n)
     return fp8.skinny_gemm(device, out_dtype, y, xq, xs, w, w_scale, m, n, k, group_n=group_n)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..cuda.arena import ALIGN, Buffer
-from ..cuda.build import declared
+from ..cuda.build import WGMMA_ARCH, declared
 from ..cuda.device import Device, Launch
 from ..cuda.ops import storage_name
 from .gemm import Blas, linear
@@ -32,11 +32,10 @@ WGMMA_ROWS, WGMMA_COLS, WGMMA_K, WGMMA_STAGES, WGMMA_THREADS = 128, 256, 64, 4, 
 _WG_A, _WG_B, _WG_RAW = WGMMA_ROWS * WGMMA_K * 2, WGMMA_COLS * WGMMA_K * 2, WGMMA_COLS * (WGMMA_K // 2 + 4)
 WGMMA_SHARED = {False: WGMMA_STAGES * (_WG_A + _WG_B) + 1024,
                 True: WGMMA_STAGES * (_WG_A + _WG_RAW) + 2 * _WG_B + 1024}
-WGMMA_ARCH = "sm_90a"
 # With tensor cores the tiled path reads each expert once however many rows it has, the skinny kernel once per 8:
 # skinny only while experts average at most this many rows (without, while they average at most 16).
 SKINNY_MEAN_TENSOR, SKINNY_MEAN = 4, 16
-TILE_ROWS = dict(skinny=SKINNY_ROWS, wgmma=WGMMA_ROWS, mma=MMA_ROWS, tiled=64)
+PATH_TILE_ROWS = dict(skinny=SKINNY_ROWS, wgmma=WGMMA_ROWS, mma=MMA_ROWS, tiled=64)
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,7 @@ class MoeDims:
 
 
 def grouped_path(arch: str | None, dtype, d: MoeDims) -> str:
-    """The grouped GEMMs' kernel, a key of TILE_ROWS, for a device of this arch."""
+    """The grouped GEMMs' kernel, a key of PATH_TILE_ROWS, for a device of this arch."""
     tensor = mma_fits(dtype, d.inter, d.dim)
     if d.pairs <= (SKINNY_MEAN_TENSOR if tensor else SKINNY_MEAN) * min(d.experts, d.pairs):
         return "skinny"
@@ -168,7 +167,7 @@ def grouped_mma(device: Device, dtype, out: int, a: int, perm: int | None, activ
     """moe_gemm<bf16, 64, GATED>'s grouped GEMM on the tensor cores, GATED when w_second is given: out [rows, n] over
     the rows sorted by moe_sort into row tiles (`tiles` of them at most) of WGMMA_ROWS (wgmma, cuda_src/moe_wgmma.cu,
     sm_90a) or MMA_ROWS (mma.sync, cuda_src/moe_mma.cu). With `scales` (the scale tables of w_first and w_second;
-    wgmma only) the weights are packed e2m1 with e8m0 scales per 32 columns, `a` holds act_round's values, and a
+    wgmma only) the weights are packed e2m1 with e8m0 scales per 32 columns, `a` holds act_quant's rounded values, and a
     GATED output is rounded as act_quant would round it (moe_wgmma.cu)."""
     if not mma_fits(dtype, n, k):
         raise ValueError(f"the tensor-core grouped GEMM takes bf16 operands with n and k multiples of {MMA_MULTIPLE}, "
@@ -238,7 +237,7 @@ class MoE:
         at = {k: workspace + v for k, v in _layout(d, dtype).items()}
         self.dims, self.scratch = d, at
         self.path = path or grouped_path(device.arch, dtype, d)
-        self.tile_rows = bm = TILE_ROWS[self.path]
+        self.tile_rows = bm = PATH_TILE_ROWS[self.path]
         max_tiles = d.max_tiles(bm)
         P, I, V = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         launches = route_and_sort(device, blas, dtype, d, at, x, gate, scaling, bm, bias=bias, tid2eid=tid2eid,

@@ -6,7 +6,7 @@ gate GEMM → routing → counting sort into 8-row tiles → act_quant(x) → ro
 into fp32 g, u → clamped SwiGLU over all rows, routed rows times their routing weight → act_quant(h) → routed w2
 (fp4), shared w2 (fp8) → the sum of each token's rows. Each 8-row tile reads its expert's weights once: meant for decode.
 Batches whose experts see more rows (`fp4_path`) run the routed experts on wgmma instead (cuda_src/moe_wgmma.cu):
-act_round's bf16 copy of x against the e2m1 weights widened to bf16 in shared memory, the SwiGLU output rounded as
+act_quant's rounded bf16 copy of x against the e2m1 weights widened to bf16 in shared memory, the SwiGLU output rounded as
 act_quant would in the same kernel, and the shared expert on the prefill fp8 GEMM (gemm_fp8)."""
 from __future__ import annotations
 
@@ -58,22 +58,6 @@ def fp4_path(arch: str | None, dtype, d: MoeDims) -> str:
     "skinny"."""
     wide = d.dim % 128 == 0 and d.inter % 128 == 0
     return "wgmma" if wide and grouped_path(arch, dtype, d) == "wgmma" else "skinny"
-
-
-def act_round(device: Device, dtype, out: int, x: int, rows: int, k: int) -> Launch:
-    """out [rows, k] = the values fp8.act_quant gives x [rows, k], exact in the storage dtype (cuda_src/fp8.cu)."""
-    if rows == 0:
-        return NOTHING
-    kernel = device.kernel("fp8", f"act_round<{storage_name(dtype)}>", declared("fp8"))
-    tasks = rows * fp8.scale_columns(k)
-    P = ctypes.c_void_p
-    return kernel.bind(-(-tasks // fp8.QUANT_WARPS), 32 * fp8.QUANT_WARPS,
-                       [P(out), P(x), ctypes.c_int(rows), ctypes.c_int(k)])
-
-
-def routed_tiles(pairs: int, experts: int) -> int:
-    """8-row tiles over all experts, whatever the routing: each holds a row, only an expert's last is partial."""
-    return min(pairs, -(-pairs // TILE_ROWS) + min(experts, pairs))
 
 
 def gemm_warps(k: int, matrices: int) -> int:
@@ -155,7 +139,7 @@ class Fp4MoE:
         F, D, T = d.inter, d.dim, d.tokens
         s_rows = T if shared is not None else 0
         rows = s_rows + d.pairs
-        tiles = routed_tiles(d.pairs, d.experts)
+        tiles = d.max_tiles(TILE_ROWS)
         launches = [
             fp8.act_quant(device, dtype, at["xq"], at["xs"], x, T, D),
             expert_gemm(device, np.float32, at["g"] + 4 * s_rows * F, at["xq"], at["xs"], routed.w1, routed.w1_scale,
@@ -183,8 +167,10 @@ class Fp4MoE:
         F, D, T = d.inter, d.dim, d.tokens
         common = dict(offsets=at["offsets"], tile_offsets=at["tile_offsets"], experts=d.experts,
                       tiles=d.max_tiles(WGMMA_ROWS), limit=limit, wgmma=True)
+        # one pass over x: its e4m3 bytes for the shared expert's fp8 GEMMs, its rounded values for the routed ones
         launches = [
-            act_round(device, dtype, at["x_round"], x, T, D),
+            fp8.act_quant(device, dtype, *((at["xq"], at["xs"]) if shared is not None else (0, 0)), x, T, D,
+                          rounded=at["x_round"]),
             grouped_mma(device, dtype, at["h_round"], at["x_round"], at["perm"], d.active, at["weight"], routed.w1,
                         routed.w3, n=F, k=D, scales=(routed.w1_scale, routed.w3_scale), **common),
             grouped_mma(device, dtype, at["expert_out"], at["h_round"], None, d.active, None, routed.w2, None, n=D,
@@ -192,7 +178,6 @@ class Fp4MoE:
         ]
         if shared is not None:
             launches += [
-                fp8.act_quant(device, dtype, at["xq"], at["xs"], x, T, D),
                 gemm_fp8.fp8_gemm(device, at["xq"], at["xs"], shared.w1, shared.w1_scale, at["g"], T, F, D, np.float32),
                 gemm_fp8.fp8_gemm(device, at["xq"], at["xs"], shared.w3, shared.w3_scale, at["u"], T, F, D, np.float32),
                 swiglu(device, np.float32, at["hidden"], at["g"], at["u"], T, F, limit),
