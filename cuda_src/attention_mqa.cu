@@ -13,12 +13,6 @@
 constexpr int kMqaWarps = 8, kMqaHeads = 64, kMqaKeys = 32;
 constexpr int kMqaSlices = kMaxHeadDim / 32;  // 16-dim slices per warp at most
 
-// Two e4m3 codes (low byte first) times the power of two s, as a bf16 pair: exact.
-__device__ __forceinline__ unsigned e4m3x2_bf16x2(unsigned codes, float s) {
-    const float2 v = e4m3x2_value(static_cast<unsigned short>(codes));
-    return bf16x2(v.x * s, v.y * s);
-}
-
 // Arguments and outputs as sparse_attention<T, Fp8Kv> (attention.cu), T = __nv_bfloat16, hd a multiple of 16.
 // grid (rows, ceil(heads / kMqaHeads), splits), block kMqaWarps * 32, dynamic shared memory
 // (kMqaHeads + (Fp8Kv ? 1 : 2) * kMqaKeys) * (hd + 8) * 2 + kMqaWarps * kMqaKeys * 64
@@ -86,21 +80,10 @@ sparse_attention_mqa(T* out, float* part_o, float2* part_ml, const T* q, const i
         cp_async_commit();
     };
     auto dequantise = [&](int buf) {  // Fp8Kv: encoded tile buf to bf16, exactly the values decode_kv gives
-        const int nope = hd - rd;
         for (int i = threadIdx.x; i < TILE * chunks; i += blockDim.x) {
             const int j = i / chunks, d0 = (i - j * chunks) * 8;
             const unsigned char* e = encoded + (buf * TILE + j) * kv_bytes;
-            uint4 v = make_uint4(0, 0, 0, 0);
-            if (present[buf][j] && d0 < nope) {
-                const uint2 codes = *reinterpret_cast<const uint2*>(e + d0);
-                const float s = e8m0_value(e[nope + 2 * rd + d0 / kKvBlock]);
-                v = make_uint4(e4m3x2_bf16x2(codes.x, s), e4m3x2_bf16x2(codes.x >> 16, s),
-                               e4m3x2_bf16x2(codes.y, s), e4m3x2_bf16x2(codes.y >> 16, s));
-            } else if (present[buf][j]) {
-                const uint2* rope = reinterpret_cast<const uint2*>(e + nope + 2 * (d0 - nope));
-                const uint2 lo = rope[0], hi = rope[1];
-                v = make_uint4(lo.x, lo.y, hi.x, hi.y);
-            }
+            const uint4 v = present[buf][j] ? kv_fp8_bf16x8(e, d0, hd, rd) : make_uint4(0, 0, 0, 0);
             *reinterpret_cast<uint4*>(keys + j * stride + d0) = v;
         }
     };

@@ -120,3 +120,21 @@ __device__ __forceinline__ void load_kv_fp8(const unsigned char* e, int hd, int 
         }
     }
 }
+
+// Dims d0 .. d0 + 7 of an encoded bf16-build entry at e as eight bf16 (decode_kv's values, exactly: an e4m3 code
+// times a power of two, or a rope dim stored as bf16); d0 a multiple of 8 below hd.
+__device__ __forceinline__ uint4 kv_fp8_bf16x8(const unsigned char* e, int d0, int hd, int rd) {
+    const int nope = hd - rd;
+    if (d0 >= nope) {
+        const uint2* rope = reinterpret_cast<const uint2*>(e + nope + 2 * (d0 - nope));
+        const uint2 lo = rope[0], hi = rope[1];
+        return make_uint4(lo.x, lo.y, hi.x, hi.y);
+    }
+    const uint2 codes = *reinterpret_cast<const uint2*>(e + d0);
+    const float s = e8m0_value(e[nope + 2 * rd + d0 / kKvBlock]);
+    auto pair = [s](unsigned c) {
+        const float2 v = e4m3x2_value(static_cast<unsigned short>(c));
+        return bf16x2(v.x * s, v.y * s);
+    };
+    return make_uint4(pair(codes.x), pair(codes.x >> 16), pair(codes.y), pair(codes.y >> 16));
+}

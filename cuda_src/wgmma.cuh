@@ -9,6 +9,13 @@ __device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
     return 1ull << 62 | static_cast<unsigned long long>(1024 >> 4) << 32 | 1ull << 16 | (addr & 0x3FFFF) >> 4;
 }
 
+// The same 128-byte rows read as an MN-major operand (wgmma's transposed B): row r holds k = r, its 64 elements
+// are 64 consecutive n; the next 64 n start `atom_stride` bytes on, the next 8 k rows 1024 bytes on.
+__device__ __forceinline__ unsigned long long smem_desc_mn(unsigned addr, unsigned atom_stride) {
+    return 1ull << 62 | static_cast<unsigned long long>(1024 >> 4) << 32 |
+           static_cast<unsigned long long>(atom_stride >> 4) << 16 | (addr & 0x3FFFF) >> 4;
+}
+
 // The byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile.
 __device__ __forceinline__ unsigned swizzled(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
@@ -24,8 +31,10 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
     "+f"(d[i + 6]), "+f"(d[i + 7])
 #define DSV4RT_D32(i) DSV4RT_D8(i), DSV4RT_D8(i + 8), DSV4RT_D8(i + 16), DSV4RT_D8(i + 24)
 
-// d (+)= a · bᵀ, a 64 x 16 and b 256 x 16 bf16 in shared memory, fp32 accumulators; accumulate = 0 overwrites d.
+// d (+)= a · bᵀ, a 64 x 16 and b 256 x 16 bf16 in shared memory (TransB: b's descriptor is MN-major,
+// smem_desc_mn), fp32 accumulators; accumulate = 0 overwrites d.
 // d[4j + c]: row lane / 4 + 8·(c / 2) of the warp's 16, column 8j + 2·(lane % 4) + c % 2.
+template <int TransB = 0>
 __device__ __forceinline__ void wgmma_bf16_m64n256k16(float (&d)[128], unsigned long long a, unsigned long long b,
                                                       int accumulate) {
     asm volatile(
@@ -39,8 +48,20 @@ __device__ __forceinline__ void wgmma_bf16_m64n256k16(float (&d)[128], unsigned 
         "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
         "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
         "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-        "}, %128, %129, p, 1, 1, 0, 0;\n}"
+        "}, %128, %129, p, 1, 1, 0, %131;\n}"
         : DSV4RT_D32(0), DSV4RT_D32(32), DSV4RT_D32(64), DSV4RT_D32(96)
+        : "l"(a), "l"(b), "r"(accumulate), "n"(TransB));
+}
+
+// wgmma_bf16_m64n256k16 at n = 32 (b 32 x 16, K-major).
+__device__ __forceinline__ void wgmma_bf16_m64n32k16(float (&d)[16], unsigned long long a, unsigned long long b,
+                                                     int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+        "}, %16, %17, p, 1, 1, 0, 0;\n}"
+        : DSV4RT_D8(0), DSV4RT_D8(8)
         : "l"(a), "l"(b), "r"(accumulate));
 }
 #undef DSV4RT_D32

@@ -9,8 +9,8 @@ import pytest
 from conftest import rel_rows
 from test_k_attention import (DECODE_LENGTHS, MODES, PADDING_POSITION, SIZES, PagedHost, compressed_cache, inv_freq,
                               nan_poison, reference_attention, rounded, window_cache)
-from dsv4rt.model.attention import (attention_mqa_shared_bytes, attention_mqa_splits, attention_workspace_bytes,
-                                    sparse_attention, sparse_attention_mqa)
+from dsv4rt.model.attention import (attention_mqa_shared_bytes, attention_mqa_splits, attention_wgmma_shared_bytes,
+                                    attention_workspace_bytes, sparse_attention, sparse_attention_mqa, wgmma_attention)
 from dsv4rt.model.paged import PagedCache
 from dsv4rt.reference.attention import Attention
 from dsv4rt.reference.ops import Rope
@@ -20,7 +20,8 @@ BF16 = ml_dtypes.bfloat16
 SIZES = {**SIZES,  # flash 64 heads × 512, tiny 4 × 32, odd 6 × 96; "small" ones: heads not a multiple of 16
          "small-h20-d64": dict(heads=20, hd=64, rd=32, window=24, top_k=7, pad=0, chunk=45),
          "small-h40-d128": dict(heads=40, hd=128, rd=64, window=40, top_k=33, pad=16, chunk=70),
-         "small-h72-d192": dict(heads=72, hd=192, rd=64, window=33, top_k=40, pad=0, chunk=50)}  # 2 head blocks
+         "small-h72-d192": dict(heads=72, hd=192, rd=64, window=33, top_k=40, pad=0, chunk=50),  # 2 head blocks
+         "flash-h80": dict(heads=80, hd=512, rd=64, window=128, top_k=512, pad=16, chunk=133)}  # wgmma: 64 + 16
 SPLITS = [1, 3, 64]  # 64: more splits than key tiles, so that some blocks hold no key
 MAX_SHARED = 227 * 1024  # an H100/H200 block's dynamic shared memory at most
 
@@ -124,7 +125,7 @@ def holey_cache(rng, lengths, per_page, s, empty):
 @gpu
 @pytest.mark.parametrize("chosen", [False, True])
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("size", ["flash", "tiny", "odd"])
+@pytest.mark.parametrize("size", ["flash", "flash-h80", "tiny", "odd"])
 def test_absent_keys_and_pages(rt, dev, size, splits, chosen):
     """Pages not held anywhere in the window and compressed caches; selections of -1, of entries not yet
     visible and of entries on pages not held: all absent keys. Request 2 holds no page (zeros)."""
@@ -166,7 +167,7 @@ def test_absent_keys_and_pages(rt, dev, size, splits, chosen):
 @gpu
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("size", ["flash", "tiny", "odd"])
+@pytest.mark.parametrize("size", ["flash", "flash-h80", "tiny", "odd"])
 def test_fp8_entries_match_reference_and_sparse_attention(rt, dev, size, mode, splits):
     """Faithful-mode 584-byte entries (at Flash sizes), dequantised into the shared-memory tiles."""
     from test_k_kv_fp8 import faithful_caches
@@ -251,3 +252,16 @@ def test_shared_memory_fits_a_block(hd, rd):
     if hd == 512:  # q rows and two key tiles of 520 bf16 and 16 KB of swapped scores; fp8: one tile, two encoded
         assert attention_mqa_shared_bytes(BF16, hd, rd) == 96 * 1040 + 32 * 1040 + 16384
         assert attention_mqa_shared_bytes(BF16, hd, rd, True) == 96 * 1040 + 2 * 32 * 584 + 16384
+
+
+def test_wgmma_takes_hopper_rows_of_512_dims_without_splits():
+    assert wgmma_attention("sm_90a", 512, 1)
+    assert not wgmma_attention("sm_90a", 512, 3)   # split rows stay on attention_mqa.cu and its merge
+    assert not wgmma_attention("sm_90a", 192, 1)
+    assert not wgmma_attention("sm_89", 512, 1)
+
+
+def test_wgmma_shared_memory_fits_a_block():
+    # alignment, q, two key tiles of 64 keys (fp8: one, and two encoded), P, row statistics
+    assert attention_wgmma_shared_bytes(512, 64, False) == 1024 + 65536 + 2 * 65536 + 8192 + 512 <= MAX_SHARED
+    assert attention_wgmma_shared_bytes(512, 64, True) == 1024 + 65536 + 65536 + 2 * 64 * 584 + 8192 + 512 <= MAX_SHARED

@@ -1,14 +1,15 @@
 """Launchers of the attention family: fusion 3 (cuda_src/qkv.cu) and sparse attention (cuda_src/attention.cu,
-and the bf16 build's tensor-core kernel cuda_src/attention_mqa.cu)."""
+and the bf16 build's tensor-core kernels cuda_src/attention_mqa.cu and, on Hopper, cuda_src/attention_wgmma.cu)."""
 from __future__ import annotations
 
 import ctypes
 
 import numpy as np
 
+from ..cuda.build import WGMMA_ARCH
 from ..cuda.device import Device, Launch
 from ..cuda.ops import storage_name
-from ..kv.entries import kv_entry_bytes, packed_kv
+from ..kv.entries import kv_entry_bytes, packed_kv, packed_kv_bytes
 from .paged import LaunchSequence, PagedCache
 
 MAX_HEAD_DIM = 512             # kMaxHeadDim: a warp keeps one head row in registers
@@ -20,11 +21,14 @@ COMBINE_WARPS = 8
 MQA_HEADS = 64                 # kMqaHeads of attention_mqa.cu: the heads of one block
 MQA_KEYS = 32                  # kMqaKeys: keys per shared-memory tile
 MQA_THREADS = 256              # kMqaWarps * 32
+WGMMA_HEAD_DIM = 512           # kWgaHd of attention_wgmma.cu (Flash and Pro)
+WGMMA_KEYS = 64                # kWgaKeys: keys per shared-memory tile
 
 _QKV = tuple(f"qkv_norm_rope_insert<{t}{f}>" for f in ("", ",true") for t in ("float", "__nv_bfloat16"))
 _ATTENTION = (*(f"{k}<{t}>" for k in ("sparse_attention", "attention_combine") for t in ("float", "__nv_bfloat16")),
               "sparse_attention<__nv_bfloat16,true>")
 _MQA = ("sparse_attention_mqa<__nv_bfloat16>", "sparse_attention_mqa<__nv_bfloat16,true>")
+_WGMMA = ("sparse_attention_wgmma<false>", "sparse_attention_wgmma<true>")
 
 
 def _check_shape(dtype, head_dim: int, rope_dim: int, caches, pointers, fp8_kv: bool = False):
@@ -114,7 +118,8 @@ def sparse_attention_mqa(device: Device, dtype, out: int, q: int, positions: int
     q for up to MQA_HEADS heads, so each key is read once per row, and computes scores and P·V with bf16
     mma.sync (P rounded to bf16). Same arguments, outputs, workspace layout and merge (attention_combine);
     pick `splits` with attention_mqa_splits and size the workspace for them. fp8_kv: packed entries are
-    dequantised (exactly) into the shared-memory key tiles."""
+    dequantised (exactly) into the shared-memory key tiles. On Hopper, a launch without splits at head_dim 512
+    runs the wgmma kernel instead (same results up to the order of the sums)."""
     return _attention(True, device, dtype, out, q, positions, req, sink, inv_freq, window, compressed, selected,
                       rows, heads, head_dim, rope_dim, window_size, ratio, top_k, splits, workspace, fp8_kv, step_kv)
 
@@ -148,6 +153,9 @@ def _attention(mqa: bool, device, dtype, out, q, positions, req, sink, inv_freq,
             ctypes.c_int(head_dim), ctypes.c_int(rope_dim), ctypes.c_float(np.float32(head_dim ** -0.5)),
             ctypes.c_void_p(step_kv)]
     flag = ",true" if packed else ""
+    if mqa and wgmma_attention(device.arch, head_dim, splits):
+        return _attention_wgmma(device, out, q, positions, req, sink, inv_freq, window, cmp, selected, rows, heads,
+                                head_dim, rope_dim, window_size, ratio if compressed else 0, top_k, packed, step_kv)
     if mqa:
         kernel = device.kernel("attention_mqa", f"sparse_attention_mqa<{t}{flag}>", _MQA)
         block_heads, threads = MQA_HEADS, MQA_THREADS
@@ -167,6 +175,32 @@ def _attention(mqa: bool, device, dtype, out, q, positions, req, sink, inv_freq,
     combine = device.kernel("attention", f"attention_combine<{t}>", _ATTENTION).bind(
         -(-rows * heads * -(-head_dim // 128) // COMBINE_WARPS), COMBINE_WARPS * 32, combine_args)
     return LaunchSequence(main, combine)
+
+
+def wgmma_attention(arch: str, head_dim: int, splits: int) -> bool:
+    """Whether sparse_attention_mqa runs attention_wgmma.cu: Hopper, head_dim 512, a block per row."""
+    return arch == WGMMA_ARCH and head_dim == WGMMA_HEAD_DIM and splits <= 1
+
+
+def _attention_wgmma(device, out, q, positions, req, sink, inv_freq, window, cmp, selected, rows, heads, head_dim,
+                     rope_dim, window_size, ratio, top_k, packed, step_kv) -> Launch:
+    args = [ctypes.c_void_p(out), ctypes.c_void_p(q), ctypes.c_void_p(positions), ctypes.c_void_p(req),
+            ctypes.c_void_p(sink), ctypes.c_void_p(inv_freq), *window.args(), *cmp.args(),
+            ctypes.c_void_p(selected or 0), ctypes.c_int(top_k), ctypes.c_int(ratio), ctypes.c_int(window_size),
+            ctypes.c_int(heads), ctypes.c_int(rope_dim), ctypes.c_float(np.float32(head_dim ** -0.5)),
+            ctypes.c_void_p(step_kv)]
+    kernel = device.kernel("attention_wgmma", f"sparse_attention_wgmma<{'true' if packed else 'false'}>", _WGMMA)
+    shared = attention_wgmma_shared_bytes(head_dim, rope_dim, packed)
+    kernel.allow_shared(shared)
+    return kernel.bind((rows, -(-heads // MQA_HEADS)), MQA_THREADS, args, shared=shared)
+
+
+def attention_wgmma_shared_bytes(head_dim: int, rope_dim: int, packed: bool) -> int:
+    """Dynamic shared memory of sparse_attention_wgmma: 1024 to align, q, key tiles (two; packed: one, and two
+    encoded ones), P, row statistics."""
+    tile = WGMMA_KEYS * head_dim * 2
+    encoded = 2 * WGMMA_KEYS * packed_kv_bytes(head_dim, rope_dim) if packed else 0
+    return 1024 + MQA_HEADS * head_dim * 2 + (1 if packed else 2) * tile + MQA_HEADS * WGMMA_KEYS * 2 + 512 + encoded
 
 
 def attention_mqa_shared_bytes(dtype, head_dim: int, rope_dim: int, fp8_kv: bool = False) -> int:
