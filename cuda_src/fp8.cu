@@ -76,18 +76,6 @@ __global__ void __launch_bounds__(256) act_quant(unsigned char* q, unsigned char
     }
 }
 
-// Bytes 2h and 2h + 1 of four e4m3 values as a bf16 pair, by moving bits (conversion instructions run at a quarter
-// of the rate and kept the W8A16 GEMM at half the bandwidth): sign and the seven magnitude bits land where bf16
-// keeps them, which reads the value times 2^-120 (subnormals included), and one exact bf16 multiply restores it.
-// The NaN byte reads as ±480; no released weight holds NaN.
-__device__ __forceinline__ unsigned widen_e4m3x2(unsigned v, int h) {
-    const unsigned x = __byte_perm(v, 0, h ? 0x3424 : 0x1404);  // bytes 2h, 2h + 1 to the top of each half
-    const unsigned b = (x & 0x80008000u) | ((x >> 4) & 0x07f007f0u);
-    const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&b),
-                                     __floats2bfloat162_rn(0x1p120f, 0x1p120f));
-    return *reinterpret_cast<const unsigned*>(&r);
-}
-
 // What a thread loads of activation row g for 16 consecutive weight bytes of k: 16 e4m3 bytes (one 16-byte
 // load, every lane of a quad reading its own), 16 bf16 or 16 float32 values (the W8A16 forms).
 template <typename InT> constexpr int kXLoads = sizeof(InT);

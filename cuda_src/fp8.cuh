@@ -1,6 +1,7 @@
-// e4m3 and e2m1 helpers of the faithful-mode kernels (fp8.cu, gemm_fp8.cu, moe_fp4.cu, moe_wgmma.cu, the fp8 KV cache
-// of kv_fp8.cuh, the fp4 indexer keys), docs/numerics.md#act-quant. e4m3 values travel as raw bytes, scales as e8m0
-// bytes (2^(byte - 127)), one per 128 values of a row for activations, per 128 x 128 tile for weights.
+// e4m3 and e2m1 helpers of the faithful-mode kernels (fp8.cu, gemm_fp8.cu, gemm_w8a16.cu, moe_fp4.cu, moe_wgmma.cu,
+// the fp8 KV cache of kv_fp8.cuh, the fp4 indexer keys), docs/numerics.md#act-quant. e4m3 values travel as raw
+// bytes, scales as e8m0 bytes (2^(byte - 127)), one per 128 values of a row for activations, per 128 x 128 tile for
+// weights.
 #pragma once
 #include <cuda_fp8.h>
 
@@ -53,6 +54,18 @@ __device__ __forceinline__ uint4 e2m1x8_scaled(unsigned codes, __nv_bfloat162 sc
 // Two e4m3 codes (low byte first) exactly, NaN included.
 __device__ __forceinline__ float2 e4m3x2_value(unsigned short codes) {
     return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(codes, __NV_E4M3)));
+}
+
+// Bytes 2h and 2h + 1 of four e4m3 values as a bf16 pair, by moving bits (conversion instructions run at a quarter
+// of the rate and kept the W8A16 GEMM at half the bandwidth): sign and the seven magnitude bits land where bf16
+// keeps them, which reads the value times 2^-120 (subnormals included), and one exact bf16 multiply restores it.
+// The NaN byte reads as ±480; no released weight holds NaN.
+__device__ __forceinline__ unsigned widen_e4m3x2(unsigned v, int h) {
+    const unsigned x = __byte_perm(v, 0, h ? 0x3424 : 0x1404);  // bytes 2h, 2h + 1 to the top of each half
+    const unsigned b = (x & 0x80008000u) | ((x >> 4) & 0x07f007f0u);
+    const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&b),
+                                     __floats2bfloat162_rn(0x1p120f, 0x1p120f));
+    return *reinterpret_cast<const unsigned*>(&r);
 }
 
 __device__ __forceinline__ unsigned bf16x2(float lo, float hi) {

@@ -92,6 +92,7 @@ def test_the_arena_holds_what_the_memory_plan_says(rt, models, name, dtype, nume
     used = rt.arena.used
     m = GpuModel(REAL_RATIOS if name == "real-ratios" else models[name], dtype, runtime=rt, max_len=3000, kv_bytes=kv,
                  max_batch=3, numerics=numerics)
-    plan = memory_plan(m.cfg, numerics, max_len=3000, max_batch=3, dtype=dtype, sm_count=rt.device.sm_count)
+    plan = memory_plan(m.cfg, numerics, max_len=3000, max_batch=3, dtype=dtype, sm_count=rt.device.sm_count,
+                       arch=rt.device.arch)
     assert rt.arena.used - used == plan["total"] + aligned(kv)
     assert (m.rows, m.out_rows, m.score_rows) == (plan["rows"], plan["out_rows"], plan["score_rows"])

@@ -30,6 +30,7 @@ from .memory import (BUILD_BLAS, SCORES_BUDGET, attention_splits, index_entries,
 from .paged import LaunchSequence, PagedCache
 from .tables import PageTables
 from .gemm import Blas, grouped_linear, linear
+from .gemm_w8a16 import w8a16_fits, w8a16_gemm
 from .linear_fp8 import SKINNY_ROWS, linear_fp8, released_formats
 from .moe import ExpertWeights, MoE, MoeDims, pointer_table
 from .moe_fp4 import Fp4Experts, Fp4MoE, Fp8Expert
@@ -142,7 +143,7 @@ class GpuModel:
         self.ws = Workspace(self.rt.arena, workspace_sizes(
             c, self.dtype, rows=T, out_rows=self.out_rows, max_len=self.max_len, sm_count=self.rt.device.sm_count,
             numerics=self.numerics, fp8_attention=self.fp8_attention, fp4_experts=self.fp4_experts,
-            fp8_wo_a=fp8_wo_a, scores_budget=self.scores_budget))
+            fp8_wo_a=fp8_wo_a, scores_budget=self.scores_budget, arch=self.rt.device.arch))
         self.ws.ptr.update(self.inputs.pointers(self.ws["inputs"]))
         zeros = np.zeros(hc_k.pre_workspace_bytes(T, c.hc_mult, c.hidden_size), np.uint8)   # its counters start at 0
         self.ws.buffer.copy_from_host(zeros, self.rt.stream, offset=self.ws["hc_pre"] - self.ws.buffer.ptr)
@@ -311,10 +312,11 @@ class GpuModel:
 
     def _output_projection(self, weight: str, T: int):
         """ws[t] = wo_a applied per group to ws[o]. Stored in fp8, faithful (the reference quantises none of its
-        inputs): decode batches stream it through the W8A16 GEMM, prefill batches expand it into ws[wo_a] for
-        cuBLAS. Fast: ws[o] quantised per group row by the act_quant kernel of every fp8 linear layer, then the
-        grouped fp8 x fp8 GEMM. Not fused with the inverse RoPE: that stays in the epilogues of three attention
-        kernels (CUDA-core, tensor-core, split merge), each of which would need a quantising twin."""
+        inputs): decode batches stream it through the W8A16 GEMM, prefill batches of a bf16 build widen it in
+        shared memory on sm_90a (gemm_w8a16) and elsewhere expand it into ws[wo_a] for cuBLAS. Fast: ws[o] quantised
+        per group row by the act_quant kernel of every fp8 linear layer, then the grouped fp8 x fp8 GEMM. Not fused
+        with the inverse RoPE: that stays in the epilogues of three attention kernels (CUDA-core, tensor-core, split
+        merge), each of which would need a quantising twin."""
         c, ws, W, dt = self.cfg, self.ws, self.w, self.dtype
         G, n, k = c.o_groups, c.o_lora_rank, c.num_heads * c.head_dim // c.o_groups
         scale = W.get(scale_name(weight))
@@ -326,6 +328,8 @@ class GpuModel:
         if T <= SKINNY_ROWS:
             return fp8.skinny_gemm(self.rt.device, dt, ws["t"], ws["o"], 0, W[weight].ptr, scale.ptr, T, G * n, k,
                                    in_dtype=dt, group_n=n)
+        if w8a16_fits(self.rt.device.arch, dt, n, k):
+            return w8a16_gemm(self.rt.device, ws["t"], ws["o"], W[weight].ptr, scale.ptr, T, n, k, G)
         return LaunchSequence(fp8.dequantize(self.rt.device, dt, ws["wo_a"], W[weight].ptr, scale.ptr, G * n, k),
                               grouped_linear(self.blas, dt, ws["o"], ws["wo_a"], ws["t"], T, G, n, k))
 

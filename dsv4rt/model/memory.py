@@ -10,6 +10,7 @@ import numpy as np
 
 from ..config import CSA, ModelConfig
 from ..cuda.arena import ALIGN
+from ..cuda.build import WGMMA_ARCH
 from ..kv.plan import build_plan, main_entry_bytes
 from ..loader import expected_shapes, fp4_scale_shape, fp8_scale_shape
 from ..loader.names import released_format
@@ -18,6 +19,7 @@ from . import fp8, moe, moe_fp4
 from . import hc as hc_k
 from .compress import MAX_GRID_Y
 from .gemm import WORKSPACE_BYTES
+from .gemm_w8a16 import w8a16_fits
 from .inputs import StepInputs
 from .linear_fp8 import SKINNY_ROWS
 from .tables import slot_columns
@@ -78,9 +80,10 @@ def attention_splits(cfg: ModelConfig, dtype, layer: int, rows: int, max_len: in
 
 def workspace_sizes(cfg: ModelConfig, dtype, *, rows: int, out_rows: int, max_len: int, sm_count: int,
                     numerics: str = "exact", fp8_attention: bool = False, fp4_experts: bool = False,
-                    fp8_wo_a: bool = False, scores_budget: int = SCORES_BUDGET) -> dict[str, int]:
+                    fp8_wo_a: bool = False, scores_budget: int = SCORES_BUDGET,
+                    arch: str = WGMMA_ARCH) -> dict[str, int]:
     """A GpuModel's step workspace by name: `rows` tokens a step, logits of `out_rows` of them, requests of up to
-    max_len positions; the formats as GpuModel finds them in the checkpoint."""
+    max_len positions; the formats as GpuModel finds them in the checkpoint, on a device of this arch."""
     c, T, s = cfg, rows, np.dtype(dtype).itemsize
     hd, D = c.head_dim, c.hidden_size
     n_max = index_entries(cfg, max_len)
@@ -89,12 +92,11 @@ def workspace_sizes(cfg: ModelConfig, dtype, *, rows: int, out_rows: int, max_le
     widths = dict(xn=D, qr=c.q_lora_rank, iqr=c.q_lora_rank, t=c.o_groups * c.o_lora_rank) if fp8_attention else {}
     quantized = {f"{x}_{part}": T * (k if part == "q" else fp8.scale_columns(k))
                  for x, k in widths.items() for part in ("q", "s")}
-    expanded = {}
+    expanded, group_k = {}, c.num_heads * hd // c.o_groups
     if fp8_wo_a and numerics == "fast":   # o quantised per group row (GpuModel._output_projection)
-        group_k = c.num_heads * hd // c.o_groups
         quantized.update(o_q=T * c.num_heads * hd, o_s=T * c.o_groups * fp8.scale_columns(group_k))
-    elif fp8_wo_a and T > SKINNY_ROWS:
-        expanded = dict(wo_a=c.o_lora_rank * c.num_heads * hd * s)
+    elif fp8_wo_a and T > SKINNY_ROWS and not w8a16_fits(arch, dtype, c.o_lora_rank, group_k):
+        expanded = dict(wo_a=c.o_lora_rank * c.num_heads * hd * s)   # fp8.dequantize's weight for cuBLAS
     fused = min(T, hc_k.decode_tokens(sm_count))  # rows of the second streams, post and comb (GpuModel._hc_pre)
     layers = {(k, r): i for i, (k, r) in enumerate(zip(c.kinds, c.ratios))}.values()   # one of each kind
     return dict(
@@ -130,15 +132,18 @@ def weight_bytes(cfg: ModelConfig, dtype, released: bool = False) -> int:
 
 
 def memory_plan(cfg: ModelConfig, numerics: str, *, max_len: int, rows: int | None = None, max_batch: int = 1,
-                dtype=ml_dtypes.bfloat16, sm_count: int = H200_SMS, scores_budget: int = SCORES_BUDGET) -> dict:
+                dtype=ml_dtypes.bfloat16, sm_count: int = H200_SMS, arch: str = WGMMA_ARCH,
+                scores_budget: int = SCORES_BUDGET) -> dict:
     """What GpuModel(dir, dtype, max_len=max_len, max_batch=max_batch, step_rows=rows) allocates in the arena besides
-    its KV cache (kv_bytes, the caller's), by name. The checkpoint is taken to be in the released formats (fp8
-    attention and wo_a, fp4 experts) where cfg has a quantisation config and numerics are not exact."""
+    its KV cache (kv_bytes, the caller's), by name, on a device of sm_count SMs and this arch (an H200 by default).
+    The checkpoint is taken to be in the released formats (fp8 attention and wo_a, fp4 experts) where cfg has a
+    quantisation config and numerics are not exact."""
     released = numerics != "exact" and bool(cfg.quant)
     rows, out_rows = step_shape(max_len, rows, max_batch)
     workspace = {name: aligned(size) for name, size in workspace_sizes(
         cfg, dtype, rows=rows, out_rows=out_rows, max_len=max_len, sm_count=sm_count, numerics=numerics,
-        fp8_attention=released, fp4_experts=released, fp8_wo_a=released, scores_budget=scores_budget).items()}
+        fp8_attention=released, fp4_experts=released, fp8_wo_a=released, scores_budget=scores_budget,
+        arch=arch).items()}
     tables = (2 if released else 1) * 3      # weight (and scale) pointers of w1, w3, w2
     plan = build_plan(cfg, numerics, element_bytes=np.dtype(dtype).itemsize)
     other = {"page tables": aligned(8 * max_batch * slot_columns(plan, max_len)), "page starts": aligned(4 * max_batch),
