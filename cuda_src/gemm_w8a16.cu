@@ -17,6 +17,7 @@
 // wgmma reads and the e4m3 bytes into a raw stage, two steps ahead; before its wgmma each step's raw stage is widened
 // into one of two bf16 tiles, while the previous step's wgmma runs.
 constexpr int kW8Rows = 128, kW8Cols = 256, kW8K = 64, kW8Stages = 4, kW8Threads = 256;
+static_assert(kW8K == 64 && kW8Cols == 256, "wgmma_k64_step, store_row_bf16");
 constexpr int kW8ABytes = kW8Rows * kW8K * 2, kW8RawBytes = kW8Cols * kW8K, kW8BBytes = kW8Cols * kW8K * 2;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -130,32 +131,19 @@ __global__ void __launch_bounds__(kW8Threads, 1)
         widen(step, scale_byte);
         fence_proxy_async();
         __syncthreads();
-        const unsigned a_tile = base + (step % kW8Stages) * STAGE + wg * 64 * 128;
-        const unsigned b_tile = widened + (step & 1) * kW8BBytes;
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < kW8K / 16; ++ks)
-            wgmma_bf16_m64n256k16(acc, smem_desc(a_tile + 32 * ks), smem_desc(b_tile + 32 * ks), step > 0 || ks > 0);
-        wgmma_commit();
-        wgmma_wait<1>();
+        wgmma_k64_step(acc, base + (step % kW8Stages) * STAGE + wg * 64 * 128, widened + (step & 1) * kW8BBytes,
+                       step == 0);
         scale_byte = next_scale_byte;
     }
     wgmma_wait<0>();
 
-    const int lane = threadIdx.x & 31, l4 = lane & 3;
+    const int lane = threadIdx.x & 31;
     const int row_base = row0 + wg * 64 + ((threadIdx.x >> 5) & 3) * 16 + (lane >> 2);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int row = row_base + 8 * h;
         if (row >= m) continue;
-        T* out_row = y + (static_cast<size_t>(row) * groups + group) * n;
-#pragma unroll
-        for (int j = 0; j < kW8Cols / 8; ++j) {
-            const int col = col0 + 8 * j + 2 * l4;
-            if (col < n)
-                *reinterpret_cast<__nv_bfloat162*>(out_row + col) =
-                    __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-        }
+        store_row_bf16(y + (static_cast<size_t>(row) * groups + group) * n, acc, h, col0, n);
     }
 #else
     __trap();

@@ -20,6 +20,7 @@
 // packed bytes and scales stream into raw stages; before its wgmma each step is widened into one of two bf16
 // tiles. GATED FP4 rounds its output as act_quant would (per row and 128 columns: one block's tile) for w2.
 constexpr int kWgRows = 128, kWgCols = 256, kWgK = 64, kWgStages = 4, kWgThreads = 256;
+static_assert(kWgK == 64 && kWgCols == 256, "wgmma_k64_step, store_row_bf16");
 constexpr int kWgABytes = kWgRows * kWgK * 2, kWgBBytes = kWgCols * kWgK * 2;
 constexpr int kWgPacked = kWgCols * kWgK / 2, kWgRawBytes = kWgPacked + kWgCols * 4;  // packed rows, then scales
 
@@ -163,13 +164,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
             __syncthreads();
             b_tile = widened + (step & 1) * kWgBBytes;
         }
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < kWgK / 16; ++ks)
-            wgmma_bf16_m64n256k16(acc, smem_desc(stage + wg * 64 * 128 + 32 * ks), smem_desc(b_tile + 32 * ks),
-                                  step > 0 || ks > 0);
-        wgmma_commit();
-        wgmma_wait<1>();
+        wgmma_k64_step(acc, stage + wg * 64 * 128, b_tile, step == 0);
     }
     wgmma_wait<0>();
 
@@ -200,13 +195,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
                     *reinterpret_cast<__nv_bfloat162*>(out_row + col) = __floats2bfloat162_rn(v[p][0], v[p][1]);
             }
         } else {
-#pragma unroll
-            for (int j = 0; j < kWgCols / 8; ++j) {
-                const int col = col0 + 8 * j + 2 * l4;
-                if (col < n)
-                    *reinterpret_cast<__nv_bfloat162*>(out_row + col) =
-                        __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-            }
+            store_row_bf16(out_row, acc, h, col0, n);
         }
     }
 #else

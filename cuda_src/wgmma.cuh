@@ -66,3 +66,24 @@ __device__ __forceinline__ void wgmma_bf16_m64n32k16(float (&d)[16], unsigned lo
 }
 #undef DSV4RT_D32
 #undef DSV4RT_D8
+
+// One k step of 64 of a block of two warpgroups: d (+)= a · bᵀ, a the warpgroup's 64 rows and b 256 rows of 64
+// elements (128-byte swizzled rows); first overwrites d. Leaves this step in flight and the previous one done.
+__device__ __forceinline__ void wgmma_k64_step(float (&d)[128], unsigned a_tile, unsigned b_tile, bool first) {
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+        wgmma_bf16_m64n256k16(d, smem_desc(a_tile + 32 * ks), smem_desc(b_tile + 32 * ks), !first || ks > 0);
+    wgmma_commit();
+    wgmma_wait<1>();
+}
+
+// Row h (0: lane / 4 of the warp's 16, 1: 8 below) of d as bf16 into out_row's columns col0 .. col0 + 255 below n.
+__device__ __forceinline__ void store_row_bf16(__nv_bfloat16* out_row, const float (&d)[128], int h, int col0, int n) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+        const int col = col0 + 8 * j + 2 * (threadIdx.x & 3);
+        if (col < n)
+            *reinterpret_cast<__nv_bfloat162*>(out_row + col) = __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+    }
+}

@@ -177,18 +177,24 @@ def nvdisasm() -> str | None:
     return next((str(p) for root in roots for p in sorted(Path(root).glob("*/bin/nvdisasm"))), None)
 
 
+def kernel_sass(tmp_path, monkeypatch, name: str):
+    """cuda_src/<name>.cu built as dsv4rt builds it for sm_90a, with ptxas's wgmma left asynchronous: the module
+    and its SASS."""
+    pytest.importorskip("cuda.bindings")
+    from dsv4rt.cuda.build import compile_module, instantiations, source_dir
+    monkeypatch.setenv("DSV4RT_CACHE_DIR", str(tmp_path / "kernels"))
+    module = compile_module(name, "sm_90a", instantiations((source_dir() / f"{name}.cu").read_text()))
+    assert "serialized" not in module.log, module.log
+    cubin = tmp_path / f"{name}.cubin"
+    cubin.write_bytes(module.cubin)
+    return module, subprocess.run([nvdisasm(), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
 @pytest.mark.skipif(nvdisasm() is None, reason="no nvdisasm on PATH or in the nvidia wheels")
 def test_prefill_kernels_run_on_gmma(tmp_path, monkeypatch):
     """Every instantiation, built as dsv4rt builds it for sm_90a, multiplies with QGMMA (wgmma on e4m3), loads with
     TMA (UTMALDG), and ptxas kept its wgmma asynchronous."""
-    pytest.importorskip("cuda.bindings")
-    from dsv4rt.cuda.build import compile_module, instantiations, source_dir
-    monkeypatch.setenv("DSV4RT_CACHE_DIR", str(tmp_path / "kernels"))
-    module = compile_module("gemm_fp8", "sm_90a", instantiations((source_dir() / "gemm_fp8.cu").read_text()))
-    assert "serialized" not in module.log, module.log
-    cubin = tmp_path / "gemm_fp8.cubin"
-    cubin.write_bytes(module.cubin)
-    sass = subprocess.run([nvdisasm(), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    module, sass = kernel_sass(tmp_path, monkeypatch, "gemm_fp8")
     bodies = dict(re.findall(r"//-+ \.text\.(\S+) -+\n(.*?)(?=//-+ \.text\.|\Z)", sass, re.S))
     assert sorted(bodies) == sorted(module.lowered.values())
     for symbol, body in bodies.items():

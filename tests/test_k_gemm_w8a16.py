@@ -13,7 +13,7 @@ from dsv4rt.config import from_dict
 from dsv4rt.loader.formats import dequant_fp8
 from dsv4rt.presets import PRESETS
 from test_k_fp8 import fetch
-from test_k_gemm_fp8 import fp8_weight, nvdisasm
+from test_k_gemm_fp8 import fp8_weight, kernel_sass, nvdisasm
 
 gpu = pytest.mark.gpu
 BF16 = ml_dtypes.bfloat16
@@ -129,15 +129,7 @@ def test_constants_equal_the_cuda_source():
 def test_kernel_runs_on_gmma(tmp_path, monkeypatch):
     """Built as dsv4rt builds it for sm_90a, the kernel multiplies with HGMMA (wgmma on bf16), asynchronously."""
     import re
-    import subprocess
-    pytest.importorskip("cuda.bindings")
-    from dsv4rt.cuda.build import compile_module, instantiations, source_dir
-    monkeypatch.setenv("DSV4RT_CACHE_DIR", str(tmp_path / "kernels"))
-    module = compile_module("gemm_w8a16", "sm_90a", instantiations((source_dir() / "gemm_w8a16.cu").read_text()))
-    assert "serialized" not in module.log, module.log
-    cubin = tmp_path / "gemm_w8a16.cubin"
-    cubin.write_bytes(module.cubin)
-    sass = subprocess.run([nvdisasm(), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    _, sass = kernel_sass(tmp_path, monkeypatch, "gemm_w8a16")
     assert len(re.findall(r"\bHGMMA\.64x256x16\.F32\.BF16\b", sass)) == 4
 
 
