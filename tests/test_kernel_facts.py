@@ -52,6 +52,7 @@ def template_args(file: str, kernel: str, position: int) -> set[str]:
 def _facts():
     att = constants("attention.cu")
     mqa = constants("attention_mqa.cu")
+    wga = constants("attention_wgmma.cu")
     idx = constants("indexer.cu")
     hcs = constants("hc.cu")
     mo = constants("moe.cu")
@@ -66,6 +67,10 @@ def _facts():
     yield "attention.MQA_HEADS", attention.MQA_HEADS, mqa["kMqaHeads"]
     yield "attention.MQA_KEYS", attention.MQA_KEYS, mqa["kMqaKeys"]
     yield "attention.MQA_THREADS", attention.MQA_THREADS, launch_bounds("attention_mqa.cu", "sparse_attention_mqa")[0]
+    yield "attention.MQA_HEADS (wgmma)", attention.MQA_HEADS, wga["kWgaHeads"]
+    yield "attention.MQA_THREADS (wgmma)", attention.MQA_THREADS, wga["kWgaThreads"]
+    yield "attention.WGMMA_HEAD_DIM", attention.WGMMA_HEAD_DIM, wga["kWgaHd"]
+    yield "attention.WGMMA_KEYS", attention.WGMMA_KEYS, wga["kWgaKeys"]
     yield "compress.POOL_THREADS", compress.POOL_THREADS, launch_bounds("compress.cu", "compress_pool")[0]
     yield "compress.INDEX_HEADS", compress.INDEX_HEADS, idx["kHeads"]
     yield "compress.KEY_TILE", compress.KEY_TILE, idx["kKeys"]
