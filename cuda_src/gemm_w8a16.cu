@@ -20,34 +20,6 @@ constexpr int kW8Rows = 128, kW8Cols = 256, kW8K = 64, kW8Stages = 4, kW8Threads
 static_assert(kW8K == 64 && kW8Cols == 256, "wgmma_k64_step, store_row_bf16");
 constexpr int kW8ABytes = kW8Rows * kW8K * 2, kW8RawBytes = kW8Cols * kW8K, kW8BBytes = kW8Cols * kW8K * 2;
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// One bit (bit 7 of the byte) for each NaN code (magnitude 0x7f) among four e4m3 bytes: no carry crosses a byte.
-__device__ __forceinline__ unsigned e4m3_nan_bytes(unsigned codes) {
-    return ((codes & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
-}
-
-// Eight e4m3 codes (lo: the first four) times their block scale (e8m0_bf16x2) as eight bf16, each dequantize_weight's
-// value: widen_e4m3x2 is exact and the bf16 multiply rounds the exact product once, as the float product's rounding
-// to bf16 does. NaN codes, which widen_e4m3x2 reads as ±480, are made NaN.
-__device__ __forceinline__ uint4 e4m3x8_scaled(unsigned lo, unsigned hi, __nv_bfloat162 scale) {
-    unsigned v[4];
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-        const unsigned pair = widen_e4m3x2(p < 2 ? lo : hi, p & 1);
-        const __nv_bfloat162 r = __hmul2_rn(*reinterpret_cast<const __nv_bfloat162*>(&pair), scale);
-        v[p] = *reinterpret_cast<const unsigned*>(&r);
-    }
-    if (e4m3_nan_bytes(lo) | e4m3_nan_bytes(hi)) {
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {  // the flags of bytes 2p, 2p + 1 to bits 15 and 31, as widen_e4m3x2 moves them
-            const unsigned nan = __byte_perm(e4m3_nan_bytes(p < 2 ? lo : hi), 0, p & 1 ? 0x3424 : 0x1404);
-            v[p] |= (nan >> 15 & 0x10001u) * 0x7fc0u;
-        }
-    }
-    return make_uint4(v[0], v[1], v[2], v[3]);
-}
-#endif
-
 // y [m, groups·n] = for each group g (blockIdx.z): x[:, g·k..] · dequant(w[g·n..])ᵀ into columns g·n..; x bf16
 // [m, groups·k], w e4m3 [groups·n, k] with e8m0 scales w_scale [groups·n / 128, k / 128]. Grid (ceil(n / kW8Cols),
 // ceil(m / kW8Rows), groups), kW8Threads threads, dynamic shared memory for kW8Stages stages of x and raw weight

@@ -131,10 +131,5 @@ __device__ __forceinline__ uint4 kv_fp8_bf16x8(const unsigned char* e, int d0, i
         return make_uint4(lo.x, lo.y, hi.x, hi.y);
     }
     const uint2 codes = *reinterpret_cast<const uint2*>(e + d0);
-    const float s = e8m0_value(e[nope + 2 * rd + d0 / kKvBlock]);
-    auto pair = [s](unsigned c) {
-        const float2 v = e4m3x2_value(static_cast<unsigned short>(c));
-        return bf16x2(v.x * s, v.y * s);
-    };
-    return make_uint4(pair(codes.x), pair(codes.x >> 16), pair(codes.y), pair(codes.y >> 16));
+    return e4m3x8_scaled(codes.x, codes.y, e8m0_bf16x2(e[nope + 2 * rd + d0 / kKvBlock]));
 }

@@ -144,6 +144,9 @@ def _attention(mqa: bool, device, dtype, out, q, positions, req, sink, inv_freq,
     t = storage_name(dtype)
     packed = packed_kv(dtype, fp8_kv)
     cmp = compressed or PagedCache(0, 0, 0, 1, 16)
+    if mqa and wgmma_attention(device.arch, head_dim, splits):
+        return _attention_wgmma(device, out, q, positions, req, sink, inv_freq, window, cmp, selected, rows, heads,
+                                head_dim, rope_dim, window_size, ratio if compressed else 0, top_k, packed, step_kv)
     part_o = workspace if splits > 1 else 0
     part_ml = part_o + rows * heads * splits * head_dim * 4 if splits > 1 else 0
     args = [ctypes.c_void_p(out), ctypes.c_void_p(part_o), ctypes.c_void_p(part_ml), ctypes.c_void_p(q),
@@ -153,9 +156,6 @@ def _attention(mqa: bool, device, dtype, out, q, positions, req, sink, inv_freq,
             ctypes.c_int(head_dim), ctypes.c_int(rope_dim), ctypes.c_float(np.float32(head_dim ** -0.5)),
             ctypes.c_void_p(step_kv)]
     flag = ",true" if packed else ""
-    if mqa and wgmma_attention(device.arch, head_dim, splits):
-        return _attention_wgmma(device, out, q, positions, req, sink, inv_freq, window, cmp, selected, rows, heads,
-                                head_dim, rope_dim, window_size, ratio if compressed else 0, top_k, packed, step_kv)
     if mqa:
         kernel = device.kernel("attention_mqa", f"sparse_attention_mqa<{t}{flag}>", _MQA)
         block_heads, threads = MQA_HEADS, MQA_THREADS
