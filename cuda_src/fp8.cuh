@@ -51,6 +51,41 @@ __device__ __forceinline__ uint4 e2m1x8_scaled(unsigned codes, __nv_bfloat162 sc
     return v;
 }
 
+// 2^e exactly; 0 below the float32 subnormals, inf above the range.
+__device__ __forceinline__ float pow2(int e) {
+    return e > 127     ? __int_as_float(0x7f800000)
+           : e >= -126 ? __int_as_float((e + 127) << 23)
+           : e >= -149 ? __int_as_float(1 << (e + 149))
+                       : 0.f;
+}
+
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned selector) {
+    unsigned d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+    return d;
+}
+
+// The e4m3 bytes of the e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0..7) times 2^e, e <= 6, a prmt table.
+// For e >= -5 every byte is a normal e4m3 whose exponent field moves with e: magnitude m >= 2 is m·4 + 8·(e + 6),
+// 0.5 is 8·(e + 6); below, the float products are rounded.
+__device__ __forceinline__ uint2 e2m1_table(int e) {
+    if (e >= -5) {
+        const unsigned b = 8 * (e + 6);
+        return make_uint2(0x0C080000u + b * 0x01010100u, 0x1C181410u + b * 0x01010101u);
+    }
+    const float f = pow2(e);
+    const auto two = [f](float a, float b) {
+        return static_cast<unsigned>(__nv_cvt_float2_to_fp8x2(make_float2(a * f, b * f), __NV_SATFINITE, __NV_E4M3));
+    };
+    return make_uint2(two(0.f, .5f) | two(1.f, 1.5f) << 16, two(2.f, 3.f) | two(4.f, 6.f) << 16);
+}
+
+// The four e2m1 codes in the low 16 bits of v (code i in bits 4i..4i+3) as four e4m3 bytes through the table; a sign
+// bit, moved to bit 2 of its selector, picks byte 0x80.
+__device__ __forceinline__ unsigned e2m1x4_to_e4m3(unsigned v, uint2 table) {
+    return prmt(table.x, table.y, v & 0x7777u) | prmt(0u, 0x80u, v >> 1 & 0x4444u);
+}
+
 // Two e4m3 codes (low byte first) exactly, NaN included.
 __device__ __forceinline__ float2 e4m3x2_value(unsigned short codes) {
     return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(codes, __NV_E4M3)));

@@ -1,8 +1,9 @@
 """cuda_src/gemm_fp8.cu, the prefill fp8 GEMM (wgmma and TMA, sm_90a): against the faithful linear layer (numpy on
 the dequantised weight, reference.quant.act_quant on its input) at Flash and small shapes, both block heights, in a
-replayed graph; and, without a GPU, that its SASS runs on the tensor cores' GMMA instructions. Also linear_fp8's
-choice between it and fp8.skinny_gemm: Hopper's e4m3 wgmma keeps 13 mantissa bits of its sums, so only bf16 outputs
-take it, and a float32 build's fp8 linear layers match the reference's fp32 sums (the "mid" model's widths)."""
+replayed graph; and, without a GPU, that its SASS (and the fp8 expert kernel's) runs on the tensor cores' GMMA
+instructions. Also linear_fp8's choice between it and fp8.skinny_gemm: Hopper's e4m3 wgmma keeps 13 mantissa bits
+of its sums, so only bf16 outputs take it, and a float32 build's fp8 linear layers match the reference's fp32 sums
+(the "mid" model's widths)."""
 import functools
 import importlib.util
 import re
@@ -200,3 +201,16 @@ def test_prefill_kernels_run_on_gmma(tmp_path, monkeypatch):
     for symbol, body in bodies.items():
         assert len(re.findall(r"\bQGMMA\.64x128x32\.F32\.E4M3\.E4M3\b", body)) >= 4, symbol
         assert "UTMALDG.2D" in body, symbol
+
+
+@pytest.mark.skipif(nvdisasm() is None, reason="no nvdisasm on PATH or in the nvidia wheels")
+def test_fp8_expert_kernels_run_on_qgmma(tmp_path, monkeypatch):
+    """The fp8 expert kernel (moe_wgmma_fp8.cu, the same e4m3 wgmma), both instantiations as dsv4rt builds them:
+    QGMMA kept asynchronous, registers moved from the producer warpgroups to the consumers, none in local memory."""
+    module, sass = kernel_sass(tmp_path, monkeypatch, "moe_wgmma_fp8")
+    bodies = dict(re.findall(r"//-+ \.text\.(\S+) -+\n(.*?)(?=//-+ \.text\.|\Z)", sass, re.S))
+    assert sorted(bodies) == sorted(module.lowered.values())
+    for symbol, body in bodies.items():
+        assert len(re.findall(r"\bQGMMA\.64x128x32\.F32\.E4M3\.E4M3\b", body)) == 4, symbol
+        assert "USETMAXREG.DEALLOC" in body and "USETMAXREG.TRY_ALLOC" in body, symbol
+        assert not re.search(r"\b(LDL|STL)\b", body), symbol

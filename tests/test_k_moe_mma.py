@@ -88,7 +88,7 @@ def test_layer(rt, blas, wide, tokens, hashed, with_shared, path):
         skip_without_wgmma(rt)
     with ran(rt, blas, wide, build, BF16, tokens, hashed, seed=5000 + tokens, with_shared=with_shared,
              path=path) as (moe, x, ids, y):
-        names = ["moe_gemm_wgmma<true,false>", "moe_gemm_wgmma<false,false>"] if path == "wgmma" else \
+        names = ["moe_gemm_wgmma<true>", "moe_gemm_wgmma<false>"] if path == "wgmma" else \
             ["moe_gemm_mma<true>", "moe_gemm_mma<false>"]
         assert [launch.kernel.name for launch in moe.grouped] == names
         ref = wide.reference(hashed, with_shared)

@@ -109,6 +109,12 @@ def _facts():
     yield "moe_fp4.BLOCK", moe_fp4.BLOCK, fp4["kFp4Block"]
     yield "moe_fp4.MAX_WARPS", moe_fp4.MAX_WARPS, fp4["kFp4MaxWarps"]
     yield "moe_fp4.IN_FLIGHT", moe_fp4.IN_FLIGHT, fp4["kFp4InFlight"]
+    f8 = constants("moe_wgmma_fp8.cu")
+    for name, cuda in (("COLS", "Cols"), ("THREADS", "Threads"), ("STAGES", "Stages"), ("PRODUCERS", "Producers"),
+                       ("SHARED", "Shared"), ("MULTIPLE", "K")):
+        yield f"moe_fp4.FP8_{name}", getattr(moe_fp4, f"FP8_{name}"), f8[f"kF8{cuda}"]
+    yield "moe.WGMMA_ROWS (fp8 experts)", moe.WGMMA_ROWS, f8["kF8Rows"]
+    yield "moe_fp8_wgmma threads", moe_fp4.FP8_THREADS, launch_bounds("moe_wgmma_fp8.cu", "moe_fp8_wgmma")[0]
     yield "sample.THREADS", sample.THREADS, launch_bounds("sample.cu", "sample_tokens")[0]
     yield "sample.CLUSTERS", {c for _, c in sample.CLUSTERS} | {1}, {int(a) for a in template_args("sample.cu", "sample_tokens", 0)}
     yield "entries.KV_BLOCK", entries.KV_BLOCK, constants("kv_fp8.cuh")["kKvBlock"]

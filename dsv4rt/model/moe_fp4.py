@@ -5,9 +5,10 @@ sequence without host synchronisation, as moe.MoE, whose routing, sort, SwiGLU a
 gate GEMM → routing → counting sort into 8-row tiles → act_quant(x) → routed w1/w3 (fp4) and shared w1/w3 (fp8)
 into fp32 g, u → clamped SwiGLU over all rows, routed rows times their routing weight → act_quant(h) → routed w2
 (fp4), shared w2 (fp8) → the sum of each token's rows. Each 8-row tile reads its expert's weights once: meant for decode.
-Batches whose experts see more rows (`fp4_path`) run the routed experts on wgmma instead (cuda_src/moe_wgmma.cu):
-act_quant's rounded bf16 copy of x against the e2m1 weights widened to bf16 in shared memory, the SwiGLU output rounded as
-act_quant would in the same kernel, and the shared expert on the prefill fp8 GEMM (gemm_fp8)."""
+Batches whose experts see more rows (`fp4_path`) run the routed experts on the fp8 tensor cores instead
+(cuda_src/moe_wgmma_fp8.cu): act_quant's e4m3 x against the e2m1 weights re-expressed in e4m3 in shared memory as the
+decode kernel does, the float32 SwiGLU output act_quant-ed for w2, and the shared expert on the prefill fp8 GEMM
+(gemm_fp8)."""
 from __future__ import annotations
 
 import ctypes
@@ -21,14 +22,20 @@ from ..cuda.ops import storage_name
 from .paged import NOTHING
 from . import fp8, gemm_fp8
 from .gemm import Blas
-from .moe import (WGMMA_ROWS, MoeDims, check_layer, combine, grouped_mma, grouped_path, packed_offsets,
-                  route_and_sort, swiglu)
+from .moe import WGMMA_ROWS, MoeDims, check_layer, combine, grouped_path, packed_offsets, route_and_sort, swiglu
 
 TILE_ROWS = 8       # kFp4Rows: activation rows of a tile
 TILE_COLUMNS = 16   # output columns of a block
 BLOCK = 32          # kFp4Block: columns per weight scale
 MAX_WARPS = 8       # kFp4MaxWarps
 IN_FLIGHT = 4       # kFp4InFlight: 16-byte weight vectors per row pair a thread loads before it computes
+# moe_wgmma_fp8.cu's kF8Cols (weight rows a block; GATED: half of them w1), kF8Threads, kF8Stages, kF8Producers and
+# kF8Shared: stages of kF8Rows a rows and as many widened weight rows of 128 bytes, the packed rows, a scale word for
+# each producer thread and an exponent per weight row, then the alignment slack and two mbarriers a stage. n and k
+# must be multiples of kF8K.
+FP8_COLS, FP8_THREADS, FP8_MULTIPLE, FP8_STAGES, FP8_PRODUCERS = 128, 512, 128, 4, 256
+_F8_STAGE = WGMMA_ROWS * 128 + FP8_COLS * (128 + 64 + 4) + FP8_PRODUCERS * 4
+FP8_SHARED = FP8_STAGES * -(-_F8_STAGE // 1024) * 1024 + 1024 + 16 * FP8_STAGES
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,31 @@ def expert_gemm(device: Device, out_dtype, out: int, xq: int, x_scale: int, w: i
     return kernel.bind((-(-n // TILE_COLUMNS), tiles), 32 * gemm_warps(k, m), args)
 
 
+def fp8_experts(device: Device, out: int, a: int, a_scale: int, first: tuple[int, int],
+                second: tuple[int, int] | None = None, *, n: int, k: int, offsets: int, tile_offsets: int,
+                experts: int, tiles: int, perm: int | None = None, active: int = 1, weight: int | None = None,
+                limit: float = 0.0) -> Launch:
+    """The routed experts of many-row batches on the fp8 tensor cores (cuda_src/moe_wgmma_fp8.cu, sm_90a): out [rows, n]
+    over the rows sorted by moe_sort into WGMMA_ROWS-row tiles (`tiles` at most). a [., k] e4m3 and a_scale from
+    act_quant, read at row perm[r] / active when perm is given. first, second: pointer tables of packed e2m1 weights
+    [n, k/2] and of their e8m0 scales [n, k/32]; with a second the output is float32, the clamped SwiGLU of the two
+    times the row's routing weight[perm[row]], else bf16. n and k must be multiples of 128."""
+    gated = second is not None
+    if n % FP8_MULTIPLE or k % FP8_MULTIPLE:
+        raise ValueError(f"the fp8 expert GEMM needs n and k multiples of {FP8_MULTIPLE}, got n {n}, k {k}")
+    if gated and (perm is None or weight is None):
+        raise ValueError("the gated GEMM scales its rows by their routing weight[perm[row]]")
+    if not tiles:
+        return NOTHING
+    fn = device.kernel("moe_wgmma_fp8", f"moe_fp8_wgmma<{'true' if gated else 'false'}>", declared("moe_wgmma_fp8"))
+    fn.allow_shared(FP8_SHARED)
+    P, I = ctypes.c_void_p, ctypes.c_int
+    (w1, s1), (w3, s3) = first, second or (0, 0)
+    return fn.bind((-(-n // (FP8_COLS // 2 if gated else FP8_COLS)), tiles), FP8_THREADS, [
+        P(out), P(a), P(a_scale), P(perm or 0), I(active), P(weight or 0), P(w1), P(w3), P(s1), P(s3), P(offsets),
+        P(tile_offsets), I(experts), I(n), I(k), ctypes.c_float(limit)], shared=FP8_SHARED)
+
+
 def _layout(d: MoeDims, dtype) -> dict[str, int]:
     """Byte offsets of the scratch arrays. Rows of g, u, hidden and their quantised hq, hs: the shared expert's
     `tokens` first (when there is one), then the routed pairs in expert order."""
@@ -101,7 +133,6 @@ def _layout(d: MoeDims, dtype) -> dict[str, int]:
                  xq=d.tokens * d.dim, xs=d.tokens * fp8.scale_columns(d.dim), g=rows * d.inter * f4,
                  u=rows * d.inter * f4, hidden=rows * d.inter * f4, hq=rows * d.inter,
                  hs=rows * fp8.scale_columns(d.inter), expert_out=d.pairs * d.dim * t,
-                 x_round=d.tokens * d.dim * t, h_round=d.pairs * d.inter * t,
                  shared_out=d.tokens * d.dim * f4 if d.shared_inter else 0)
     return packed_offsets(sizes)
 
@@ -165,16 +196,18 @@ class Fp4MoE:
     @staticmethod
     def _wgmma(device, dtype, d, at, x, routed, shared, limit) -> list[Launch]:
         F, D, T = d.inter, d.dim, d.tokens
+        s_rows = T if shared is not None else 0
+        # the routed rows of the SwiGLU output and of its act_quant, after the shared expert's
+        hidden, hq, hs = at["hidden"] + 4 * s_rows * F, at["hq"] + s_rows * F, at["hs"] + s_rows * fp8.scale_columns(F)
         common = dict(offsets=at["offsets"], tile_offsets=at["tile_offsets"], experts=d.experts,
-                      tiles=d.max_tiles(WGMMA_ROWS), limit=limit, wgmma=True)
-        # one pass over x: its e4m3 bytes for the shared expert's fp8 GEMMs, its rounded values for the routed ones
+                      tiles=d.max_tiles(WGMMA_ROWS))
         launches = [
-            fp8.act_quant(device, dtype, *((at["xq"], at["xs"]) if shared is not None else (0, 0)), x, T, D,
-                          rounded=at["x_round"]),
-            grouped_mma(device, dtype, at["h_round"], at["x_round"], at["perm"], d.active, at["weight"], routed.w1,
-                        routed.w3, n=F, k=D, scales=(routed.w1_scale, routed.w3_scale), **common),
-            grouped_mma(device, dtype, at["expert_out"], at["h_round"], None, d.active, None, routed.w2, None, n=D,
-                        k=F, scales=(routed.w2_scale, None), **common),
+            fp8.act_quant(device, dtype, at["xq"], at["xs"], x, T, D),
+            fp8_experts(device, hidden, at["xq"], at["xs"], (routed.w1, routed.w1_scale),
+                        (routed.w3, routed.w3_scale), n=F, k=D, perm=at["perm"], active=d.active,
+                        weight=at["weight"], limit=limit, **common),
+            fp8.act_quant(device, np.float32, hq, hs, hidden, d.pairs, F),
+            fp8_experts(device, at["expert_out"], hq, hs, (routed.w2, routed.w2_scale), n=D, k=F, **common),
         ]
         if shared is not None:
             launches += [
