@@ -5,8 +5,8 @@ cuBLAS bf16 matrix rate).
 usage: python bench/kernels.py [--batches 1,8,64] [--contexts 4096,65536] [--reps 20] [--only moe,hc_pre]
     [--prefill 8192]
 (--only: the kernels whose names start with one of these prefixes.) The MoE rows also run at a prefill step of
---prefill tokens, where the grouped GEMMs take the tensor cores (moe_wgmma.cu, and moe_mma.cu beside it), and so do prefill attention and
-the indexer, their step ending at each context.
+--prefill tokens, where the grouped GEMMs take the tensor cores (moe_wgmma.cu, and moe_mma.cu beside it; the released
+formats' experts moe_wgmma_fp8.cu), and so do prefill attention and the indexer, their step ending at each context.
 Bytes count each input read once and each output written once (METHOD.md). Weights and caches hold
 random values tiled from one random block; expert weights a constant (12.9 GB of them).
 Prints a table and writes bench/results/kernels.json.
@@ -285,6 +285,48 @@ def moe(b: Bench, blas: Blas, B: int):
     experts.free()
 
 
+def moe_released(b: Bench, blas: Blas, B: int):
+    """The MoE layer on the released formats (moe_fp4.Fp4MoE) at a prefill step of B tokens, and its routed expert
+    GEMMs alone (moe_fp8_wgmma on sm_90a): packed e2m1 experts of constant codes and scales, an e4m3 shared expert."""
+    from dsv4rt.model.moe_fp4 import Fp4Experts, Fp4MoE, Fp8Expert, workspace_bytes as fp4_workspace
+    rng = np.random.default_rng(B + 1)
+    xh = (rng.standard_normal((B, D)) * 0.5).astype(BF16)
+    gate_h = (rng.standard_normal((E, D)) / np.sqrt(D)).astype(BF16)
+    bias_h = (0.1 * rng.standard_normal(E)).astype(np.float32)
+    packed, scales = INTER * D // 2, INTER * D // 32  # bytes of one matrix and of its scales
+    experts, expert_scales = b.rt.arena.alloc(E * 3 * packed), b.rt.arena.alloc(E * 3 * scales)
+    check(drv().cuMemsetD8Async(experts.ptr, 0x2A, E * 3 * packed, b.st.handle))  # codes 1.0 and -1.0
+    check(drv().cuMemsetD8Async(expert_scales.ptr, 120, E * 3 * scales, b.st.handle))
+    tables = [pointer_table(b.rt.arena, [base.ptr + (3 * e + m) * size for e in range(E)])
+              for base, size in ((experts, packed), (expert_scales, scales)) for m in range(3)]
+    shared = b.rt.arena.alloc(3 * INTER * D + 3 * (INTER // 128) * (D // 128))
+    check(drv().cuMemsetD8Async(shared.ptr, 0x30, 3 * INTER * D, b.st.handle))  # e4m3 0.5
+    check(drv().cuMemsetD8Async(shared.ptr + 3 * INTER * D, 120, 3 * (INTER // 128) * (D // 128), b.st.handle))
+    s_at = [shared.ptr + m * INTER * D for m in range(3)] + \
+        [shared.ptr + 3 * INTER * D + m * (INTER // 128) * (D // 128) for m in range(3)]
+    dims = MoeDims(B, D, INTER, E, K_ACT, INTER)
+    ws = b.rt.arena.alloc(fp4_workspace(dims, BF16))
+    x, y = b.host(xh), b.buf(B * D * BF16.itemsize, fill=False)
+    layer = Fp4MoE(b.dev, blas, BF16, dims, x=x.ptr, y=y.ptr, gate=b.host(gate_h).ptr,
+                   routed=Fp4Experts(*(t.ptr for t in tables)), shared=Fp8Expert(*s_at), scaling=1.5, limit=10.0,
+                   workspace=ws.ptr, bias=b.host(bias_h).ptr)
+    routed_flops = 2 * B * K_ACT * 3 * INTER * D
+    b.record(f"moe released top-6 ({layer.path})", B, 0, layer, E * 3 * (packed + scales), routed_flops +
+             2 * B * 3 * INTER * D)
+    grouped = [launch for launch in layer.launches if getattr(launch, "kernel", None) is not None
+               and launch.kernel.name.startswith("moe_fp8_wgmma")]
+    if grouped:
+        layer(b.st)  # leaves the sort in the workspace
+        name = "moe released grouped gemms (fp8)"
+        before = len(b.rows)
+        b.record(name, B, 0, lambda st: [launch(st) for launch in grouped], E * 3 * (packed + scales), routed_flops)
+        if len(b.rows) > before:
+            print(f"{name:34s} B={B:<5d} {b.rows[-1]['tflops']:7.1f} TFLOP/s = "
+                  f"{b.rows[-1]['tflops'] / FP8_DENSE_TFLOPS:.3f} of dense fp8 ({FP8_DENSE_TFLOPS:.0f})")
+    for z in (experts, expert_scales, shared, ws, x, y, *tables):
+        z.free()
+
+
 def per_context(b: Bench, B: int, C: int):
     T = BF16.itemsize
     rng = np.random.default_rng(C + B)
@@ -391,6 +433,8 @@ def main():
         fp8_prefill(b)
         if b.wants("moe"):
             moe(b, blas, a.prefill)
+        if b.wants("moe released"):
+            moe_released(b, blas, a.prefill)
         for C in contexts if b.wants("attention prefill") or b.wants("indexer prefill") else []:
             per_prefill(b, a.prefill, max(C, a.prefill))
         for B in batches:
