@@ -26,6 +26,19 @@ __device__ __forceinline__ void tile_sources(const T* (&src)[N], bool (&ok)[N], 
     }
 }
 
+// Weight row j of a tile of output columns from col0, in expert e's matrix of row_bytes-long rows (pointer tables
+// first, second): GATED interleaves w1 and w3 8 rows at a time, the layout gated_pair reads. Rows past n: ok false,
+// and the address of row 0.
+template <bool GATED>
+__device__ __forceinline__ const unsigned char* tile_weight_row(const unsigned long long* first,
+                                                                const unsigned long long* second, int e, int j,
+                                                                int col0, int n, size_t row_bytes, bool& ok) {
+    const int c = col0 + (GATED ? (j >> 4) * 8 + (j & 7) : j);
+    ok = c < n;
+    const unsigned long long* table = GATED && (j >> 3 & 1) ? second : first;
+    return reinterpret_cast<const unsigned char*>(table[e]) + (ok ? c * row_bytes : 0);
+}
+
 // A gated tile's clamped SwiGLU times the routing weight `scale` for output columns 8p + 2·(lane % 4) and the next of
 // row h (0: lane / 4 of the warp's 16, 1: 8 below), from wgmma accumulators whose n8 block 2p holds w1 and block 2p + 1
 // w3 of output columns 8p..

@@ -22,7 +22,7 @@ constexpr int kWgABytes = kWgRows * kWgK * 2, kWgBBytes = kWgCols * kWgK * 2;
 template <bool GATED>
 __global__ void __launch_bounds__(kWgThreads, 1)
     moe_gemm_wgmma(__nv_bfloat16* out, const __nv_bfloat16* a, const int* perm, int active, const float* weight,
-                   const __nv_bfloat16* const* w_first, const __nv_bfloat16* const* w_second, const int* offsets,
+                   const unsigned long long* w_first, const unsigned long long* w_second, const int* offsets,
                    const int* tile_offsets, int experts, int n, int k, float limit) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using T = __nv_bfloat16;
@@ -43,16 +43,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     const T* a_src[A_COPIES];
     bool a_ok[A_COPIES];
     tile_sources(a_src, a_ok, a, perm, active, row0 + copy_row, row_end, k, part * 8);
-    // b row j of the tile: GATED interleaves w1 and w3 8 rows at a time.
     const T* b_src[B_COPIES];
     bool b_ok[B_COPIES];
 #pragma unroll
-    for (int i = 0; i < B_COPIES; ++i) {
-        const int j = copy_row + 32 * i, c = col0 + (GATED ? (j >> 4) * 8 + (j & 7) : j);
-        b_ok[i] = c < n;
-        b_src[i] = (GATED && (j >> 3 & 1) ? w_second : w_first)[e] + (b_ok[i] ? static_cast<size_t>(c) * k : 0) +
-                   part * 8;
-    }
+    for (int i = 0; i < B_COPIES; ++i)
+        b_src[i] = reinterpret_cast<const T*>(tile_weight_row<GATED>(w_first, w_second, e, copy_row + 32 * i, col0, n,
+                                                                     k * sizeof(T), b_ok[i])) + part * 8;
     const unsigned copy_at = swizzled(copy_row, part);
     const int steps = k / kWgK;
     auto load = [&](int step) {  // always commits a group, empty past the last step, so that the waits count alike

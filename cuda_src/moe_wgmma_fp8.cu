@@ -9,16 +9,16 @@
 // The released experts (packed e2m1, an e8m0 scale per 1 x 32) of many-row batches on Hopper's fp8 tensor cores
 // (sm_90a; other targets compile a stub and the launcher never picks it), docs/kernels.md#tensor-cores-for-many-rows.
 // a is act_quant's output (e4m3 codes and a scale per row and 128 columns), so each step of 128 columns is one
-// act_quant block. A block takes kF8Rows sorted rows and kF8Cols weight rows (GATED: 64 of w1 and of w3 interleaved 8 by 8, so
-// that a thread holds g and u of the same element).
+// act_quant block. A block takes kF8Rows sorted rows and kF8Cols weight rows (GATED: 64 of w1 and of w3 interleaved
+// 8 by 8, so that a thread holds g and u of the same element).
 //
 // Warp-specialised as DeepGEMM's kernels: two producer warpgroups gather a's rows and the packed weight rows by
-// cp.async into a ring of stages, two steps ahead, and widen each step's weights in place to e4m3 under one exponent per row
-// (as the decode kernel moe_fp4.cu re-expresses them: exact for every 32-column block within 14 binades of the step's
-// largest). Two consumer warpgroups of 64 rows run four wgmma m64n128k32 a step into fresh registers, which they then
-// scale (the row's act_quant scale times the weight row's exponent) into fp32 accumulators, as gemm_fp8.cu does: the
-// tensor cores' own sums never run past 128 products. Each consumer scales while the other's products run. mbarriers
-// pace the ring: `full` counts the producer threads done with a stage, `empty` the consumer warps.
+// cp.async into a ring of stages, two steps ahead, and widen each step's weights in place to e4m3 under one exponent
+// per row (as the decode kernel moe_fp4.cu re-expresses them: exact for every 32-column block within 14 binades of the
+// step's largest). Two consumer warpgroups of 64 rows run four wgmma m64n128k32 a step into fresh registers, which
+// they then scale (the row's act_quant scale times the weight row's exponent) into fp32 accumulators, as gemm_fp8.cu
+// does: the tensor cores' own sums never run past 128 products. Each consumer scales while the other's products run.
+// mbarriers pace the ring: `full` counts the producer threads done with a stage, `empty` the consumer warps.
 constexpr int kF8Rows = 128, kF8Cols = 128, kF8K = 128, kF8Stages = 4, kF8Ahead = 2;
 // two consumer and two producer warpgroups; the producers hand registers to the consumers (64 fp32 sums and a step's
 // 64 products a thread)
@@ -91,14 +91,9 @@ __global__ void __launch_bounds__(kF8Threads, 1)
         bool a_ok[4];
         tile_sources(a_src, a_ok, a, perm, active, row0 + (t >> 3), row_end, k, (t & 7) * 16);
         const unsigned a_at = swizzled(t >> 3, t & 7);
-        // weight row j of the tile (GATED interleaves w1 and w3 8 rows at a time); past n: row 0's bytes, unstored
-        const bool second = GATED && (j >> 3 & 1);
-        const int c = col0 + (GATED ? (j >> 4) * 8 + (j & 7) : j);
-        const bool w_ok = c < n;
-        const unsigned char* w_src = reinterpret_cast<const unsigned char*>((second ? w_second : w_first)[e]) +
-                                     (w_ok ? c * (k / 2) : 0) + 32 * h;
-        const unsigned char* s_src =
-            reinterpret_cast<const unsigned char*>((second ? s_second : s_first)[e]) + (w_ok ? c * (k / 32) : 0);
+        bool w_ok;
+        const unsigned char* w_src = tile_weight_row<GATED>(w_first, w_second, e, j, col0, n, k / 2, w_ok) + 32 * h;
+        const unsigned char* s_src = tile_weight_row<GATED>(s_first, s_second, e, j, col0, n, k / 32, w_ok);
         // each thread widens the half row it copies; raw chunk q of row j sits at q ^ (j / 2 % 4), so that the 8
         // threads of a shared-memory phase read distinct bank groups. Both threads of a row copy its scale word.
         const auto raw_at = [&](int q) { return kF8Raw + j * (kF8K / 2) + (((2 * h + q) ^ (j >> 1 & 3)) << 4); };
