@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(kF8Threads, 1)
     __syncthreads();
 
     if (warp >= 8) {  // the producer warpgroups, after the consumers so that their warpgroups are aligned
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kF8ProducerRegs));
+        setmaxnreg_dec<kF8ProducerRegs>();
         const int t = threadIdx.x - 256, j = t >> 1, h = t & 1;  // half h (32-column blocks 2h, 2h + 1) of weight row j
         // a: thread t copies chunk t % 8 of tile rows t / 8 + 32i; rows past the expert land as zeros
         const unsigned char* a_src[4];
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kF8Threads, 1)
         }
         return;
     }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kF8ConsumerRegs));
+    setmaxnreg_inc<kF8ConsumerRegs>();
 
     const int wg = warp >> 2, row_base = row0 + wg * 64 + (warp & 3) * 16 + (lane >> 2);
     // this thread's two rows' act_quant scales (rows past the expert: row0's, never stored)

@@ -48,6 +48,28 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
     } while (!done);
 }
 
+// The cp.async copies this thread issued so far arrive on bar once they land; the arrival counts toward the
+// barrier's expected count (noinc). A consumer fences (fence_proxy_async) after its wait before wgmma reads them.
+__device__ __forceinline__ void mbar_arrive_on_copies(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
+// Named barrier id (1 .. 15) of `count` threads: arrive marks this warp's arrival and goes on, sync also waits
+// for the rest. Memory accesses before either are visible to the threads that sync after the barrier completes.
+__device__ __forceinline__ void bar_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void bar_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
+// A warpgroup's register budget for the rest of the kernel (warp-specialised kernels: producers give registers
+// back, consumers take them). Every warp of the warpgroup executes it.
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N)); }
+
 // The accumulator operands of an asm statement: %0 .. %63 (m64n128, fp32), %0 .. %127 (m64n256).
 #define DSV4RT_ACC64 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
     "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, " \
@@ -75,6 +97,19 @@ __device__ __forceinline__ void wgmma_bf16_m64n256k16(float (&d)[128], unsigned 
         : "l"(a), "l"(b), "r"(accumulate), "n"(TransB));
 }
 
+// wgmma_bf16_m64n256k16 at n = 64 (b 64 x 16, K-major).
+__device__ __forceinline__ void wgmma_bf16_m64n64k16(float (&d)[32], unsigned long long a, unsigned long long b,
+                                                     int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+        "%23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1, 0, 0;\n}"
+        : DSV4RT_D32(0)
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
 // wgmma_bf16_m64n256k16 at n = 32 (b 32 x 16, K-major).
 __device__ __forceinline__ void wgmma_bf16_m64n32k16(float (&d)[16], unsigned long long a, unsigned long long b,
                                                      int accumulate) {
@@ -100,19 +135,21 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], unsigned long l
         : "l"(a), "l"(b), "r"(accumulate));
 }
 
-// d (+)= a · bᵀ, a 64 x 16 bf16 in registers and b 256 x 16 K-major in shared memory; d as wgmma_bf16_m64n256k16's.
+// d (+)= a · bᵀ, a 64 x 16 bf16 in registers and b 256 x 16 in shared memory (K-major; TransB: MN-major,
+// smem_desc_mn); d as wgmma_bf16_m64n256k16's.
 // a[0..3]: row lane / 4 (a[0], a[2]) and 8 below (a[1], a[3]) of the warp's 16, elements 2·(lane % 4) and the next
 // (a[0], a[1]) and 8 on (a[2], a[3]), the lower element in the low half. The wgmma reads a until it completes
 // (wgmma_wait).
+template <int TransB = 0>
 __device__ __forceinline__ void wgmma_bf16_m64n256k16_rs(float (&d)[128], const unsigned (&a)[4], unsigned long long b,
                                                          int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
         DSV4RT_ACC128
-        "}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}"
+        "}, {%128, %129, %130, %131}, %132, p, 1, 1, %134;\n}"
         : DSV4RT_D32(0), DSV4RT_D32(32), DSV4RT_D32(64), DSV4RT_D32(96)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(TransB));
 }
 
 #undef DSV4RT_D32
