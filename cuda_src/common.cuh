@@ -139,6 +139,11 @@ __device__ __forceinline__ float sigmoid(float x) { return 0.5f * (1.f + tanhf(0
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
+// The byte offset of 16-byte chunk `chunk` of row `row` in a tile of 128-byte rows in the 128-byte swizzle (TMA's
+// mode, and wgmma's operand layout): chunk c of row r at c ^ (r % 8), so that ldmatrix and the rows' copies meet
+// no bank conflicts.
+__device__ __forceinline__ unsigned swizzled(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));

@@ -5,6 +5,7 @@
 // dsv4rt-instantiate: hc_pre_decode<__nv_bfloat16,2,1> hc_pre_decode<__nv_bfloat16,2,8>
 // dsv4rt-instantiate: hc_pre_decode<__nv_bfloat16,2,16> hc_pre_decode<__nv_bfloat16,4,1>
 // dsv4rt-instantiate: hc_pre_decode<__nv_bfloat16,4,8> hc_pre_decode<__nv_bfloat16,4,16>
+// dsv4rt-instantiate: hc_pre_finish<__nv_bfloat16,2> hc_pre_finish<__nv_bfloat16,4>
 // dsv4rt-instantiate: hc_head<float,2> hc_head<float,4> hc_head<__nv_bfloat16,2> hc_head<__nv_bfloat16,4>
 // dsv4rt-instantiate: hc_post<float,2> hc_post<float,4> hc_post<__nv_bfloat16,2> hc_post<__nv_bfloat16,4>
 #include "common.cuh"
@@ -590,28 +591,102 @@ __device__ __forceinline__ void combine_norm(T* u, T* xn, const T* xt, const flo
     }
 }
 
-// A finisher's part of hc_pre_decode: tokens role, role + finishers, ... of the batch. params holds base then scale.
-// Rows of 16-byte chunks (vec) have theirs loaded while the finisher waits, unless the other blocks write them (fused);
-// other rows go element by element.
+// Token t's finish from its partial sums [T][slices][R + 1] (fn's rows, then the squares): v, then post and the
+// Sinkhorn comb on the last warp while the combining warps write u and, with xn, xn. params holds base then scale.
+// Rows of 16-byte chunks (vec) come with the combining threads' chunks already loaded (load_kept: xr, wr); other rows
+// go element by element. Ends with a barrier.
 template <typename T, int HC>
-__device__ __forceinline__ void finish(int role, int finishers, bool last, int blocks, bool vec, bool fused, T* u,
-                                       float* post, float* comb, const T* x, const float* params, int tokens, int dim,
-                                       float eps, float hc_eps, int iters, T* xn, const float* norm_w, float norm_eps,
-                                       unsigned* counters, const float* partial, int slices) {
+__device__ __forceinline__ void finish_token(int t, bool vec, T* u, float* post, float* comb, const T* x,
+                                             const float* params, int dim, float eps, float hc_eps, int iters, T* xn,
+                                             const float* norm_w, float norm_eps, const float* partial, int slices,
+                                             const uint4 (&xr)[kPreKeep][HC], const float (&wr)[kPreKeep][kVec<T>]) {
     constexpr int R = (2 + HC) * HC, V = kVec<T>, BATCH = 16;  // BATCH: partial loads in flight per lane
     __shared__ float part[kPreWarps][32];
     __shared__ float v[R];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, K = HC * dim;
     const bool combines = warp < kPreWarps - 1;
+    const T* xt = x + static_cast<size_t>(t) * K;
+    // v: warp w adds the partials of slices w, w + kPreWarps, ... in order, then the warps' sums add in order.
+    float sum = 0.f;
+    if (lane <= R) {
+        const float* pt = partial + static_cast<size_t>(t) * slices * (R + 1) + lane;
+        for (int q0 = warp; q0 < slices; q0 += kPreWarps * BATCH) {
+            float got[BATCH];
+#pragma unroll
+            for (int b = 0; b < BATCH; ++b) {
+                const int q = q0 + kPreWarps * b;
+                got[b] = q < slices ? __ldcg(pt + static_cast<size_t>(q) * (R + 1)) : 0.f;
+            }
+#pragma unroll
+            for (int b = 0; b < BATCH; ++b) sum += got[b];
+        }
+    }
+    part[warp][lane] = sum;
+    __syncthreads();
+    if (tid < R) {
+        float a = 0.f, ss = 0.f;
+#pragma unroll
+        for (int w = 0; w < kPreWarps; ++w) a += part[w][tid], ss += part[w][R];
+        v[tid] = a * rsqrtf(ss / K + eps);
+    }
+    __syncthreads();
+    if (!combines) {
+        if (xn != nullptr) __syncthreads();  // combine_norm's barrier, before the Sinkhorn so that they overlap
+        if (lane < HC) {
+            const float p = params[R + 1] * v[HC + lane] + params[HC + lane];
+            post[static_cast<size_t>(t) * HC + lane] = 2.f * sigmoid(p);
+        }
+        if (lane == 0) {
+            float c[HC][HC];
+#pragma unroll
+            for (int i = 0; i < HC * HC; ++i)
+                c[i / HC][i % HC] = params[R + 2] * v[2 * HC + i] + params[2 * HC + i];
+            sinkhorn_thread<HC>(c, hc_eps, iters);
+#pragma unroll
+            for (int i = 0; i < HC * HC; ++i) comb[static_cast<size_t>(t) * HC * HC + i] = c[i / HC][i % HC];
+        }
+    } else {
+        float pre[HC];
+#pragma unroll
+        for (int j = 0; j < HC; ++j) pre[j] = sigmoid(params[R] * v[j] + params[j]) + hc_eps;
+        T* ut = u + static_cast<size_t>(t) * dim;
+        T* xnt = xn != nullptr ? xn + static_cast<size_t>(t) * dim : nullptr;
+        if (vec) {
+            combine_norm<T, HC, V>(ut, xnt, xt, norm_w, pre, xr, wr, dim, norm_eps);
+        } else {
+            T xs[kPreKeep][HC];
+            float ws[kPreKeep][1];
+            load_kept<T, HC, 1>(xs, ws, xt, xn != nullptr ? norm_w : nullptr, dim);
+            combine_norm<T, HC, 1>(ut, xnt, xt, norm_w, pre, xs, ws, dim, norm_eps);
+        }
+    }
+    __syncthreads();  // part, v and the norm's sums are reused for the next token
+}
+
+// Whether a row's finish goes by 16-byte chunks.
+template <typename T>
+__device__ __forceinline__ bool chunked_rows(int dim, const T* x, const T* u, const T* xn, const float* norm_w) {
+    return dim % kVec<T> == 0 && aligned16(x) && aligned16(u) && (xn == nullptr || (aligned16(xn) && aligned16(norm_w)));
+}
+
+// A finisher's part of hc_pre_decode: tokens role, role + finishers, ... of the batch. Chunked rows have theirs
+// loaded while the finisher waits, unless the other blocks write them (fused).
+template <typename T, int HC>
+__device__ __forceinline__ void finish(int role, int finishers, bool last, int blocks, bool vec, bool fused, T* u,
+                                       float* post, float* comb, const T* x, const float* params, int tokens, int dim,
+                                       float eps, float hc_eps, int iters, T* xn, const float* norm_w, float norm_eps,
+                                       unsigned* counters, const float* partial, int slices) {
+    constexpr int V = kVec<T>;
+    const bool combines = (threadIdx.x >> 5) < kPreWarps - 1;
     const float* norm_wr = xn != nullptr ? norm_w : nullptr;
     unsigned left = 0;
     for (int t = role; t < tokens; t += finishers) {
-        const T* xt = x + static_cast<size_t>(t) * K;
+        const T* xt = x + static_cast<size_t>(t) * HC * dim;
         uint4 xr[kPreKeep][HC];
         float wr[kPreKeep][V];
         if (vec && combines && !fused) load_kept<T, HC, V>(xr, wr, xt, norm_wr, dim);
         if (t == role) {
-            if (tid == 0) {
+            if (threadIdx.x == 0) {
                 if (!last)
                     while (*reinterpret_cast<volatile unsigned*>(counters) < static_cast<unsigned>(blocks)) {}
                 __threadfence();
@@ -620,63 +695,31 @@ __device__ __forceinline__ void finish(int role, int finishers, bool last, int b
             __syncthreads();
         }
         if (vec && combines && fused) load_kept<T, HC, V>(xr, wr, xt, norm_wr, dim);
-        // v: warp w adds the partials of slices w, w + kPreWarps, ... in order, then the warps' sums add in order.
-        float sum = 0.f;
-        if (lane <= R) {
-            const float* pt = partial + static_cast<size_t>(t) * slices * (R + 1) + lane;
-            for (int q0 = warp; q0 < slices; q0 += kPreWarps * BATCH) {
-                float got[BATCH];
-#pragma unroll
-                for (int b = 0; b < BATCH; ++b) {
-                    const int q = q0 + kPreWarps * b;
-                    got[b] = q < slices ? __ldcg(pt + static_cast<size_t>(q) * (R + 1)) : 0.f;
-                }
-#pragma unroll
-                for (int b = 0; b < BATCH; ++b) sum += got[b];
-            }
-        }
-        part[warp][lane] = sum;
-        __syncthreads();
-        if (tid < R) {
-            float a = 0.f, ss = 0.f;
-#pragma unroll
-            for (int w = 0; w < kPreWarps; ++w) a += part[w][tid], ss += part[w][R];
-            v[tid] = a * rsqrtf(ss / K + eps);
-        }
-        __syncthreads();
-        if (!combines) {
-            if (xn != nullptr) __syncthreads();  // combine_norm's barrier, before the Sinkhorn so that they overlap
-            if (lane < HC) {
-                const float p = params[R + 1] * v[HC + lane] + params[HC + lane];
-                post[static_cast<size_t>(t) * HC + lane] = 2.f * sigmoid(p);
-            }
-            if (lane == 0) {
-                float c[HC][HC];
-#pragma unroll
-                for (int i = 0; i < HC * HC; ++i)
-                    c[i / HC][i % HC] = params[R + 2] * v[2 * HC + i] + params[2 * HC + i];
-                sinkhorn_thread<HC>(c, hc_eps, iters);
-#pragma unroll
-                for (int i = 0; i < HC * HC; ++i) comb[static_cast<size_t>(t) * HC * HC + i] = c[i / HC][i % HC];
-            }
-        } else {
-            float pre[HC];
-#pragma unroll
-            for (int j = 0; j < HC; ++j) pre[j] = sigmoid(params[R] * v[j] + params[j]) + hc_eps;
-            T* ut = u + static_cast<size_t>(t) * dim;
-            T* xnt = xn != nullptr ? xn + static_cast<size_t>(t) * dim : nullptr;
-            if (vec) {
-                combine_norm<T, HC, V>(ut, xnt, xt, norm_w, pre, xr, wr, dim, norm_eps);
-            } else {
-                T xs[kPreKeep][HC];
-                float ws[kPreKeep][1];
-                load_kept<T, HC, 1>(xs, ws, xt, norm_wr, dim);
-                combine_norm<T, HC, 1>(ut, xnt, xt, norm_w, pre, xs, ws, dim, norm_eps);
-            }
-        }
-        __syncthreads();  // part, v and the norm's sums are reused for the next token
+        finish_token<T, HC>(t, vec, u, post, comb, x, params, dim, eps, hc_eps, iters, xn, norm_w, norm_eps, partial,
+                            slices, xr, wr);
     }
-    if (tid == 0 && left == static_cast<unsigned>(finishers - 1)) counters[0] = counters[1] = 0;
+    if (threadIdx.x == 0 && left == static_cast<unsigned>(finishers - 1)) counters[0] = counters[1] = 0;
+}
+
+// Prefill steps of the bf16 build: token blockIdx.x's finish from hc_project_mma's partial sums (hc_mma.cu), which
+// the launch before wrote.
+template <typename T, int HC>
+__global__ void __launch_bounds__(kPreThreads, 2)
+    hc_pre_finish(T* u, float* post, float* comb, const T* x, const float* base, const float* scale, int dim,
+                  float eps, float hc_eps, int iters, T* xn, const float* norm_w, float norm_eps,
+                  const float* partial, int slices) {
+    constexpr int R = (2 + HC) * HC, V = kVec<T>;
+    __shared__ float params[R + 3];  // base, then scale
+    if (threadIdx.x < R + 3) params[threadIdx.x] = threadIdx.x < R ? base[threadIdx.x] : scale[threadIdx.x - R];
+    const int t = blockIdx.x;
+    const bool vec = chunked_rows(dim, x, u, xn, norm_w);
+    uint4 xr[kPreKeep][HC];
+    float wr[kPreKeep][V];
+    if (vec && (threadIdx.x >> 5) < kPreWarps - 1)
+        load_kept<T, HC, V>(xr, wr, x + static_cast<size_t>(t) * HC * dim, xn != nullptr ? norm_w : nullptr, dim);
+    __syncthreads();
+    finish_token<T, HC>(t, vec, u, post, comb, x, params, dim, eps, hc_eps, iters, xn, norm_w, norm_eps, partial,
+                        slices, xr, wr);
 }
 
 template <typename T, int HC, int NT>
@@ -729,8 +772,7 @@ __global__ void __launch_bounds__(kPreThreads, 1)
     if (ticket < blocks - finishers) return;
     const int role = ticket - (blocks - finishers);
     const bool last = ticket == blocks - 1;
-    const bool vec = dim % kVec<T> == 0 && aligned16(x) && aligned16(u) &&
-                     (xn == nullptr || (aligned16(xn) && aligned16(norm_w)));
+    const bool vec = chunked_rows(dim, x, u, xn, norm_w);
     finish<T, HC>(role, finishers, last, blocks, vec, f != nullptr, u, post, comb, x, params, tokens, dim, eps, hc_eps,
                   iters, xn, norm_w, norm_eps, counters, partial, slices);
 }

@@ -16,9 +16,6 @@ __device__ __forceinline__ unsigned long long smem_desc_mn(unsigned addr, unsign
            static_cast<unsigned long long>(atom_stride >> 4) << 16 | (addr & 0x3FFFF) >> 4;
 }
 
-// The byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile.
-__device__ __forceinline__ unsigned swizzled(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
-
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>

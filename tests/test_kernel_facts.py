@@ -96,6 +96,13 @@ def _facts():
     yield "hc.TOK", hc.TOK, hcs["kHcTok"]
     yield "hc.DECODE_THREADS", hc.DECODE_THREADS, hcs["kPreThreads"]
     yield "hc.HCS", set(hc.HCS), {int(a) for a in template_args("hc.cu", "hc_pre", 1)}
+    yield "hc.HCS (mma)", set(hc.HCS), {int(a) for a in template_args("hc_mma.cu", "hc_project_mma", 0)}
+    pm = constants("hc_mma.cu")
+    yield "hc.PROJECT_TOKENS", hc.PROJECT_TOKENS, pm["kPmTokens"]
+    yield "hc.PROJECT_K", hc.PROJECT_K, pm["kPmK"]
+    yield "hc.PROJECT_STAGES", hc.PROJECT_STAGES, pm["kPmStages"]
+    yield "hc.PROJECT_THREADS", hc.PROJECT_THREADS, launch_bounds("hc_mma.cu", "hc_project_mma")[0]
+    yield "hc.DECODE_THREADS (finish)", hc.DECODE_THREADS, launch_bounds("hc.cu", "hc_pre_finish")[0]
     yield "hc.DECODE_TOKENS", set(hc.DECODE_TOKENS), {int(a) for a in template_args("hc.cu", "hc_pre_decode", 2)}
     yield "moe.MAX_EXPERTS", moe.MAX_EXPERTS, mo["kMaxExperts"]
     yield "moe.MAX_ACTIVE", moe.MAX_ACTIVE, mo["kMaxActive"]

@@ -23,6 +23,11 @@ DECODE_TOKENS = (1, 8, 16)  # its instantiated token groups
 DECODE_BLOCKS = 128   # the blocks it aims for: one a SM, all resident at once (H200: 132 SMs)
 SLICE_UNIT = 128      # columns of one 32-lane step of four; slices are multiples of it
 COUNTER_BYTES = 256   # hc_pre_decode's two counters, at the start of its workspace
+PROJECT_TOKENS = 64   # kPmTokens of hc_mma.cu: tokens of a hc_project_mma block
+PROJECT_K = 64        # kPmK: columns of its k tiles; hc·D must be a multiple
+PROJECT_STAGES = 4    # kPmStages
+PROJECT_THREADS = 128  # kPmThreads
+PROJECT_BLOCKS = 264  # the blocks it aims for (two an H200 SM) by splitting the columns of short steps into slices
 
 
 
@@ -78,10 +83,30 @@ def _partial_bytes(tokens: int, hc: int, dim: int) -> int:
     return tokens * _decode_grid(tokens, hc, dim)[2] * ((2 + hc) * hc + 1) * 4
 
 
+def _project_grid(tokens: int, hc: int, dim: int) -> tuple[int, int, int]:
+    """(blocks of tokens, slices, k tiles a slice) of hc_project_mma: about PROJECT_BLOCKS blocks in all."""
+    blocks, tiles = -(-tokens // PROJECT_TOKENS), hc * dim // PROJECT_K
+    per_slice = -(-tiles // min(tiles, -(-PROJECT_BLOCKS // blocks)))
+    return blocks, -(-tiles // per_slice), per_slice
+
+
+def _project_rows(tokens: int, hc: int, dim: int) -> int:
+    """A bound on tokens × slices of hc_project_mma for every batch of up to `tokens` tokens: a batch of b blocks
+    takes at most ceil(PROJECT_BLOCKS / b) slices."""
+    return min(tokens * max(1, hc * dim // PROJECT_K), tokens + PROJECT_BLOCKS * PROJECT_TOKENS)
+
+
 def pre_workspace_bytes(tokens: int, hc: int, dim: int) -> int:
     """Bytes of the workspace `pre` needs for batches of up to `tokens` tokens. Zero it once before the first
     launch (two counters that every launch leaves at zero again); launches that share it must not overlap."""
-    return COUNTER_BYTES + max((_partial_bytes(t, hc, dim) for t in range(1, tokens + 1)), default=0)
+    decode = max((_partial_bytes(t, hc, dim) for t in range(1, tokens + 1)), default=0)
+    return COUNTER_BYTES + max(decode, _project_rows(tokens, hc, dim) * ((2 + hc) * hc + 1) * 4)
+
+
+def projects_on_mma(dtype, hc: int, dim: int) -> bool:
+    """Whether `pre` takes hc_project_mma and hc_pre_finish beyond decode batches: bf16 streams (exact as the
+    tensor cores' operand) whose hc·D columns make whole k tiles."""
+    return storage_name(dtype) == "__nv_bfloat16" and (hc * dim) % PROJECT_K == 0
 
 
 def decode_tokens(sm_count: int) -> int:
@@ -124,6 +149,23 @@ def pre(device: Device, dtype, u: int, post: int, comb: int, x: int, fn: int, ba
         args += [*_p(xn, norm), ctypes.c_float(norm_eps), *_p(workspace, workspace + COUNTER_BYTES),
                  ctypes.c_int(cols), ctypes.c_int(finishers), *_p(*(fused_post or (0, 0, 0, 0)))]
         return _kernel(device, "hc_pre_decode", dtype, hc, group).bind((slices, groups), DECODE_THREADS, args)
+    if projects_on_mma(dtype, hc, dim):
+        # The projections on the tensor cores, the rest (Sinkhorn, u, the norm) one token a block as the decode
+        # finishers do it; the CUDA-core projection below reads the streams twice and holds 32 tokens a block.
+        if not workspace:
+            raise ValueError("steps on the tensor cores need a workspace of pre_workspace_bytes(tokens, hc, dim) bytes")
+        blocks, slices, per_slice = _project_grid(tokens, hc, dim)
+        partial = workspace + COUNTER_BYTES
+        r = (2 + hc) * hc
+        shared = PROJECT_STAGES * (PROJECT_TOKENS * PROJECT_K * 2 + r * (PROJECT_K + 8) * 4)
+        project = device.kernel("hc_mma", f"hc_project_mma<{hc}>", declared("hc_mma"))
+        project.allow_shared(shared)
+        finish = _kernel(device, "hc_pre_finish", dtype, hc).bind(tokens, DECODE_THREADS, [
+            *_p(u, post, comb, x, base, scale), ctypes.c_int(dim), ctypes.c_float(eps), ctypes.c_float(hc_eps),
+            ctypes.c_int(iters), *_p(xn, norm), ctypes.c_float(norm_eps), *_p(partial), ctypes.c_int(slices)])
+        return LaunchSequence(project.bind((blocks, slices), PROJECT_THREADS, [
+            *_p(partial, x, fn), ctypes.c_int(tokens), ctypes.c_int(hc * dim), ctypes.c_int(per_slice)],
+            shared=shared), finish)
     g = _groups(device, tokens)
     launch = _kernel(device, "hc_pre", dtype, hc).bind(-(-tokens // (g * TOK)), (THREADS // g, g), args)
     return LaunchSequence(launch, ops.rmsnorm(device, dtype, xn, u, norm, tokens, dim, norm_eps)) if xn else launch
