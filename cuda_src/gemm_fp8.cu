@@ -1,5 +1,6 @@
-// dsv4rt-instantiate: fp8_prefill_gemm<float,1> fp8_prefill_gemm<float,2>
-// dsv4rt-instantiate: fp8_prefill_gemm<__nv_bfloat16,1> fp8_prefill_gemm<__nv_bfloat16,2>
+// dsv4rt-instantiate: fp8_prefill_gemm<float,1,1> fp8_prefill_gemm<float,2,1> fp8_prefill_gemm<float,2,2>
+// dsv4rt-instantiate: fp8_prefill_gemm<__nv_bfloat16,1,1> fp8_prefill_gemm<__nv_bfloat16,2,1>
+// dsv4rt-instantiate: fp8_prefill_gemm<__nv_bfloat16,2,2>
 #include "common.cuh"
 #include "fp8.cuh"
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -13,21 +14,27 @@
 // (the fast numerics' output projection): the n columns fall into groups of group_n (a multiple of 128), group j
 // reading columns j·k.. of xq rows of (n / group_n)·k bytes and its scales likewise; group_n = n is one GEMM.
 //
-// A block owns 64·WG rows and 128 columns of y. A producer warp streams 128-column slices of both operands
+// A block owns 64·WG rows and 128·H columns of y. A producer warp streams 128-column slices of both operands
 // into a ring of shared-memory stages by TMA (128-byte swizzle); WG consumer warpgroups, 64 rows each, run
-// wgmma m64n128k32 e4m3 on them, each 128-column block into fresh fp32 registers, which they then scale
-// (x_scale of the row times w_scale of the block) into the accumulator, as DeepGEMM does: the tensor cores'
-// own fp8 accumulation is never trusted beyond 128 products. mbarriers pace the ring: `full` counts the TMA
-// bytes of a stage, `empty` the consumer warps done with it.
+// wgmma m64n128k32 e4m3 on them, each 128-column block of each of the H column halves into fresh fp32 registers,
+// which they then scale (x_scale of the row times w_scale of the block) into the accumulator, as DeepGEMM does: the
+// tensor cores' own fp8 accumulation is never trusted beyond 128 products. mbarriers pace the ring: `full` counts
+// the TMA bytes of a stage, `empty` the consumer warps done with it. Two halves (256 columns) read x once for twice
+// the products: a 128 x 128 block's 32 KB a k step at the fp8 rate outrun what L2 delivers to every SM at once.
 // wgmma exists on sm_90a alone; other targets compile a stub and the launcher refuses them.
 
 constexpr int kTileN = 128;    // columns of y a block owns: one row of weight scales
 constexpr int kWgRows = 64;    // rows of a consumer warpgroup (wgmma's m)
 constexpr int kWgmmaK = 32;    // e4m3 bytes of k one wgmma takes
 
-// Stages of a block: 6 of 32 KB with two warpgroups (one block a multiprocessor), 4 of 24 KB with one (two).
-template <int WG> constexpr int kStages = WG == 2 ? 6 : 4;
-template <int WG> constexpr int kStageBytes = (kWgRows * WG + kTileN) * kFp8Block;
+// Stages of a block: 4 of 48 KB with two warpgroups and two halves, 6 of 32 KB with two warpgroups and one (one
+// block a multiprocessor), 4 of 24 KB with one (two).
+template <int WG, int H> constexpr int kStages = WG == 2 && H == 1 ? 6 : 4;
+template <int WG, int H> constexpr int kStageBytes = (kWgRows * WG + kTileN * H) * kFp8Block;
+// Threads: the consumer warpgroups and a producer warp; with two halves a whole producer warpgroup, which hands its
+// registers to the consumers (64 accumulators a half and the step's 64 products: 2·128·232 + 128·40 <= 65536).
+template <int WG, int H> constexpr int kThreads = H == 2 ? 128 * WG + 128 : 128 * WG + 32;
+constexpr int kConsumerRegs = 232, kProducerRegs = 40;
 
 // cuTensorMapEncodeTiled's opaque 128 bytes, passed by value.
 struct alignas(64) TensorMap { unsigned long long opaque[16]; };
@@ -46,20 +53,21 @@ __device__ __forceinline__ void store_pair(__nv_bfloat16* p, float a, float b) {
 }
 #endif
 
-// x_map: xq [m, (n / group_n)·k] in boxes of min(64·WG, m) rows x 128 bytes; w_map: wq [n, k] in boxes of 128 x 128.
-// Rows of a stage past the box hold stale bytes: they only reach rows of y that are not stored.
-template <typename OutT, int WG>
-__global__ void __launch_bounds__(128 * WG + 32, 3 - WG)
+// x_map: xq [m, (n / group_n)·k] in boxes of min(64·WG, m) rows x 128 bytes; w_map: wq [n, k] in boxes of 128·H x
+// 128 (group_n a multiple of 128·H). Rows of a stage past the box hold stale bytes: they only reach rows of y that
+// are not stored; weight rows past n land as zeros (TMA's fill), their columns are not stored either.
+template <typename OutT, int WG, int H>
+__global__ void __launch_bounds__(kThreads<WG, H>, 3 - WG)
     fp8_prefill_gemm(const __grid_constant__ TensorMap x_map, const __grid_constant__ TensorMap w_map, OutT* y,
                      const unsigned char* x_scale, const unsigned char* w_scale, int m, int n, int k, int x_box_rows,
                      int group_n) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int S = kStages<WG>, A_BYTES = kWgRows * WG * kFp8Block, STAGE = kStageBytes<WG>;
+    constexpr int S = kStages<WG, H>, A_BYTES = kWgRows * WG * kFp8Block, STAGE = kStageBytes<WG, H>;
     extern __shared__ unsigned char shared[];
     const unsigned base = (static_cast<unsigned>(__cvta_generic_to_shared(shared)) + 1023) & ~1023u;
     const unsigned full = base + S * STAGE, empty = full + 8 * S;  // mbarriers of stage s at + 8·s
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nkb = k / kFp8Block;
-    const int m0 = blockIdx.y * kWgRows * WG, n0 = blockIdx.x * kTileN, groups = n / group_n, group = n0 / group_n;
+    const int m0 = blockIdx.y * kWgRows * WG, n0 = blockIdx.x * kTileN * H, groups = n / group_n, group = n0 / group_n;
     if (threadIdx.x == 0) {
         for (int s = 0; s < S; ++s) {
             mbar_init(full + 8 * s, 1);
@@ -70,11 +78,12 @@ __global__ void __launch_bounds__(128 * WG + 32, 3 - WG)
     }
     __syncthreads();
 
-    if (warp == 4 * WG) {  // the producer warp, after the consumers so that their warpgroups are aligned
-        if (lane == 0) {
+    if (warp >= 4 * WG) {  // the producer warp, after the consumers so that their warpgroups are aligned
+        if constexpr (H == 2) setmaxnreg_dec<kProducerRegs>();
+        if (warp == 4 * WG && lane == 0) {
             asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(&x_map)) : "memory");
             asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(&w_map)) : "memory");
-            const unsigned bytes = x_box_rows * kFp8Block + kTileN * kFp8Block;
+            const unsigned bytes = x_box_rows * kFp8Block + kTileN * H * kFp8Block;
             for (int kb = 0; kb < nkb; ++kb) {
                 const int s = kb % S;
                 const unsigned stage = base + s * STAGE;
@@ -87,37 +96,53 @@ __global__ void __launch_bounds__(128 * WG + 32, 3 - WG)
         return;
     }
 
+    if constexpr (H == 2) setmaxnreg_inc<kConsumerRegs>();
     const int wg = warp >> 2, row = m0 + wg * kWgRows + 16 * (warp & 3) + (lane >> 2);  // rows row, row + 8
     const bool ok0 = row < m, ok1 = row + 8 < m;  // rows past m read row 0's scales and are not stored
     const unsigned char* xs0 = x_scale + (static_cast<size_t>(ok0 ? row : 0) * groups + group) * nkb;
     const unsigned char* xs1 = x_scale + (static_cast<size_t>(ok1 ? row + 8 : 0) * groups + group) * nkb;
-    const unsigned char* ws = w_scale + static_cast<size_t>(n0 / kFp8Block) * nkb;
-    float acc[64], part[64];
+    // the w_scale rows of the halves; a half past n reads the last row, and its columns are not stored
+    const unsigned char* ws[H];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    for (int h = 0; h < H; ++h) ws[h] = w_scale + static_cast<size_t>(min(n0 / kFp8Block + h, n / kFp8Block - 1)) * nkb;
+    float acc[H][64], part[64];
+#pragma unroll
+    for (int h = 0; h < H; ++h)
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[h][i] = 0.f;
     for (int kb = 0; kb < nkb; ++kb) {
         const int s = kb % S;
         const unsigned a = base + s * STAGE + wg * kWgRows * kFp8Block, b = base + s * STAGE + A_BYTES;
         // scale bytes loaded before the wait and used after the products: they land while the tensor cores work
-        const unsigned wb = __ldg(ws + kb), xb0 = __ldg(xs0 + kb), xb1 = __ldg(xs1 + kb);
+        unsigned wb[H];
+#pragma unroll
+        for (int h = 0; h < H; ++h) wb[h] = __ldg(ws[h] + kb);
+        const unsigned xb0 = __ldg(xs0 + kb), xb1 = __ldg(xs1 + kb);
         mbar_wait(full + 8 * s, (kb / S) & 1);
-        wgmma_fence();
 #pragma unroll
-        for (int ks = 0; ks < kFp8Block / kWgmmaK; ++ks)
-            wgmma_m64n128k32(part, smem_desc(a + ks * kWgmmaK), smem_desc(b + ks * kWgmmaK), ks);
-        wgmma_commit();
-        wgmma_wait<0>();
-        if (lane == 0) mbar_arrive(empty + 8 * s);
-        const float sw = e8m0_to_float(wb), s0 = e8m0_to_float(xb0) * sw, s1 = e8m0_to_float(xb1) * sw;
+        for (int h = 0; h < H; ++h) {
+            wgmma_fence();
 #pragma unroll
-        for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], i & 2 ? s1 : s0, acc[i]);
+            for (int ks = 0; ks < kFp8Block / kWgmmaK; ++ks)
+                wgmma_m64n128k32(part, smem_desc(a + ks * kWgmmaK), smem_desc(b + h * kTileN * kFp8Block + ks * kWgmmaK),
+                                 ks);
+            wgmma_commit();
+            wgmma_wait<0>();
+            if (h == H - 1 && lane == 0) mbar_arrive(empty + 8 * s);
+            const float sw = e8m0_to_float(wb[h]), s0 = e8m0_to_float(xb0) * sw, s1 = e8m0_to_float(xb1) * sw;
+#pragma unroll
+            for (int i = 0; i < 64; ++i) acc[h][i] = fmaf(part[i], i & 2 ? s1 : s0, acc[h][i]);
+        }
     }
 #pragma unroll
-    for (int j = 0; j < kTileN / 8; ++j) {
-        const int col = n0 + 8 * j + 2 * (lane & 3);
-        if (ok0) store_pair(y + static_cast<size_t>(row) * n + col, acc[4 * j], acc[4 * j + 1]);
-        if (ok1) store_pair(y + static_cast<size_t>(row + 8) * n + col, acc[4 * j + 2], acc[4 * j + 3]);
-    }
+    for (int h = 0; h < H; ++h)
+#pragma unroll
+        for (int j = 0; j < kTileN / 8; ++j) {
+            const int col = n0 + h * kTileN + 8 * j + 2 * (lane & 3);
+            if (col >= n) continue;
+            if (ok0) store_pair(y + static_cast<size_t>(row) * n + col, acc[h][4 * j], acc[h][4 * j + 1]);
+            if (ok1) store_pair(y + static_cast<size_t>(row + 8) * n + col, acc[h][4 * j + 2], acc[h][4 * j + 3]);
+        }
 #else
     __trap();
 #endif
