@@ -27,6 +27,7 @@ from dsv4rt.cuda.runtime import Runtime
 from dsv4rt.model import attention as attn_k, compress as comp_k, fp8 as fp8_k, gemm_fp8, hc as hc_k
 from dsv4rt.model.gemm import Blas, grouped_linear, linear
 from dsv4rt.model.moe import ExpertWeights, MoE, MoeDims, pointer_table, workspace_bytes
+from dsv4rt.kv.entries import packed_kv_bytes
 from dsv4rt.model.paged import PagedCache
 from dsv4rt.model.sample import sample
 
@@ -375,6 +376,21 @@ def per_context(b: Bench, B: int, C: int):
     b.record("indexer top-512", B, C, select, B * n4 * 4 + B * TOPK * 4)
 
 
+def hc_prefill(b: Bench, T: int):
+    """hc_pre with its norm over a prefill step of T tokens; the bytes it moves: the streams twice (projection, then
+    the finish), u and the normed input."""
+    E2 = BF16.itemsize
+    X, u, xn = b.buf(T * HC * D * E2), b.buf(T * D * E2, fill=False), b.buf(T * D * E2, fill=False)
+    fn = b.host(np.random.default_rng(1).standard_normal(((2 + HC) * HC, HC * D), np.float32) * 0.01)
+    w, base, scale = b.host(np.ones(D, np.float32)), b.host(np.zeros((2 + HC) * HC, np.float32)), \
+        b.host(np.ones(3, np.float32))
+    post, comb = b.buf(T * HC * 4, fill=False), b.buf(T * HC * HC * 4, fill=False)
+    ws = b.host(np.zeros(hc_k.pre_workspace_bytes(T, HC, D), np.uint8))
+    run = hc_k.pre(b.dev, BF16, u.ptr, post.ptr, comb.ptr, X.ptr, fn.ptr, base.ptr, scale.ptr, T, HC, D, 1e-6, 1e-6,
+                   20, xn=xn.ptr, norm=w.ptr, norm_eps=1e-6, workspace=ws.ptr)
+    b.record("hc_pre prefill +norm", T, 0, run, 2 * T * HC * D * E2 + 2 * T * D * E2, 2 * T * HC * D * (2 + HC) * HC)
+
+
 def per_prefill(b: Bench, T: int, C: int):
     """A prefill step of T tokens of one request, positions C − T … C − 1: sparse attention (the tensor-core
     kernel; the step's own window keys from its rows, earlier ones from the cache) per layer kind, and the
@@ -402,6 +418,20 @@ def per_prefill(b: Bench, T: int, C: int):
                                           chosen, rows=T, heads=H, head_dim=HD, rope_dim=RD, window_size=W,
                                           ratio=ratio, top_k=TOPK if chosen else 0, step_kv=rows.ptr)
         b.record(f"attention prefill {mode}", T, C, run, int(keys.sum()) * HD * E2 + 2 * T * H * HD * E2,
+                 4 * H * HD * float(keys.sum()))
+    # the faithful build's 584-byte entries (e4m3 nope dims, bf16 rope dims, scales), widened on their way in
+    E8 = packed_kv_bytes(HD, RD)
+    rows8 = b.buf(T * E8)
+    window8, _ = paged(b, 1, C, 64, E8, held_from=max(0, C - T - W + 1) // 64)
+    c4a8, _ = paged(b, 1, n4, 64, E8)
+    c128a8, _ = paged(b, 1, max(1, n128), 2, E8)
+    for mode, cache, chosen, ratio, keys in (
+            ("c4a", c4a8, b.host(sel).ptr, 4, window_keys + np.minimum(visible4, TOPK)),
+            ("c128a", c128a8, None, 128, window_keys + visible128), ("sliding", None, None, 0, window_keys)):
+        run = attn_k.sparse_attention_mqa(b.dev, BF16, o.ptr, q.ptr, pos.ptr, req.ptr, sink.ptr, inv.ptr, window8,
+                                          cache, chosen, rows=T, heads=H, head_dim=HD, rope_dim=RD, window_size=W,
+                                          ratio=ratio, top_k=TOPK if chosen else 0, fp8_kv=True, step_kv=rows8.ptr)
+        b.record(f"attention prefill fp8 {mode}", T, C, run, int(keys.sum()) * E8 + 2 * T * H * HD * E2,
                  4 * H * HD * float(keys.sum()))
     keys_cache, _ = paged(b, 1, n4, 64, DI * E2)
     qi, wi = b.buf(T * NI * DI * E2), b.host(rng.standard_normal((T, NI)).astype(np.float32))
@@ -435,6 +465,8 @@ def main():
             moe(b, blas, a.prefill)
         if b.wants("moe released"):
             moe_released(b, blas, a.prefill)
+        if b.wants("hc_pre prefill"):
+            hc_prefill(b, a.prefill)
         for C in contexts if b.wants("attention prefill") or b.wants("indexer prefill") else []:
             per_prefill(b, a.prefill, max(C, a.prefill))
         for B in batches:
