@@ -27,7 +27,7 @@ from dsv4rt.cuda.runtime import Runtime
 from dsv4rt.model import attention as attn_k, compress as comp_k, fp8 as fp8_k, gemm_fp8, hc as hc_k
 from dsv4rt.model.gemm import Blas, grouped_linear, linear
 from dsv4rt.model.moe import ExpertWeights, MoE, MoeDims, pointer_table, workspace_bytes
-from dsv4rt.kv.entries import packed_kv_bytes
+from dsv4rt.kv.entries import indexer_entry_bytes, packed_kv_bytes
 from dsv4rt.model.paged import PagedCache
 from dsv4rt.model.sample import sample
 
@@ -443,6 +443,14 @@ def per_prefill(b: Bench, T: int, C: int):
     score, select = run.launches
     b.record("indexer prefill scores", T, C, score, scored * (DI * E2 + 4), 2 * scored * NI * DI)
     b.record("indexer prefill top-512", T, C, select, scored * 4 + T * TOPK * 4)
+    # faithful numerics: q rotated and rounded in place, then scores over 68-byte packed keys
+    E4 = indexer_entry_bytes(BF16, DI, True)
+    keys4, _ = paged(b, 1, n4, 64, E4)
+    run = comp_k.indexer_select(b.dev, BF16, out.ptr, scores.ptr, qi.ptr, wi.ptr, keys4, pos.ptr, req.ptr, rows=T,
+                                heads=NI, head_dim=DI, topk=TOPK, n_max=n4, ratio=4, rope_dim=RD, fp4_keys=True)
+    rotate, score, _ = run.launches
+    b.record("indexer prefill fp4 q", T, C, rotate, 2 * T * NI * DI * E2)
+    b.record("indexer prefill fp4 scores", T, C, score, scored * (E4 + 4), 2 * scored * NI * DI)
 
 
 def main():
