@@ -19,6 +19,11 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 // Elements of T in one 16-byte access, the widest single load or store.
 template <typename T> constexpr int kVec = 16 / sizeof(T);
 
+// The raw bits of four consecutive T: one 16-byte (float) or 8-byte (bf16) load.
+template <typename T> struct Raw4Of { using type = uint2; };
+template <> struct Raw4Of<float> { using type = uint4; };
+template <typename T> using Raw4 = typename Raw4Of<T>::type;
+
 __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<unsigned long long>(p) & 15) == 0; }
 
 // N elements from a 16-byte aligned p, converted to float.

@@ -59,11 +59,6 @@ __device__ __forceinline__ void project_chunk(const T* x, const float* fn, int k
     }
 }
 
-// The raw bits of four consecutive T: one 16-byte (float) or 8-byte (bf16) load.
-template <typename T> struct Raw4Of { using type = uint2; };
-template <> struct Raw4Of<float> { using type = uint4; };
-template <typename T> using Raw4 = typename Raw4Of<T>::type;
-
 // The direct path above with fn staged through shared memory, for blocks of 8 one-warp groups: per tile of
 // 128 columns every fn value loaded from L2 feeds the block's 32 tokens, and lane l reads float4 l of each
 // tile row (conflict-free). The next tile's fn and x wait in registers while this one is multiplied.

@@ -36,8 +36,8 @@ WGMMA_FP4_SHARED = 4 * 64 * 256 + 128 * 256 + 4 * 128 * 68 + 1024
 _POOL = ("compress_pool<float>", "compress_pool<__nv_bfloat16>", "compress_pool<float,true>",
          "compress_pool<__nv_bfloat16,true>", "compress_pool<float,false,true>")
 _INDEXER = ("indexer_scores<float>", "indexer_scores<__nv_bfloat16>", "indexer_scores_mma<false>", "indexer_topk<8>",
-            "indexer_q_fp4<float>", "indexer_q_fp4<__nv_bfloat16>", "indexer_scores<float,true>",
-            "indexer_scores<__nv_bfloat16,true>", "indexer_scores_mma<true>", "indexer_topk<1>")
+            "indexer_scores<float,true>", "indexer_scores<__nv_bfloat16,true>", "indexer_scores_mma<true>",
+            "indexer_topk<1>")
 
 
 def hadamard_size(dim: int) -> int:
@@ -132,12 +132,16 @@ def indexer_select(device: Device, dtype, selected: int, scores: int, q: int, w:
     launches = []
     name = storage_name(dtype)
     if fp4_keys:
-        rotate = device.kernel("indexer", f"indexer_q_fp4<{name}>", _INDEXER)
         rope = rope_dim if inv_freq else 0
-        launches.append(rotate.bind(rows, Q_THREADS, [
-            ctypes.c_void_p(q), ctypes.c_void_p(positions), ctypes.c_void_p(req), ctypes.c_void_p(inv_freq or 0),
-            ctypes.c_int(rope), ctypes.c_int(heads), ctypes.c_int(head_dim)],
-            shared=(rope + Q_THREADS // 32 * hadamard_size(head_dim)) * 4))   # rope table, a row per warp
+        args = [ctypes.c_void_p(q), ctypes.c_void_p(positions), ctypes.c_void_p(req), ctypes.c_void_p(inv_freq or 0),
+                ctypes.c_int(rope), ctypes.c_int(heads)]
+        if head_dim == MMA_DIM:   # a head in a warp's registers (indexer_q_fp4_128)
+            rotate = device.kernel("indexer_q", f"indexer_q_fp4_128<{name}>", declared("indexer_q"))
+            launches.append(rotate.bind(rows, Q_THREADS, args))
+        else:
+            rotate = device.kernel("indexer_q", f"indexer_q_fp4<{name}>", declared("indexer_q"))
+            launches.append(rotate.bind(rows, Q_THREADS, [*args, ctypes.c_int(head_dim)],
+                                        shared=(rope + Q_THREADS // 32 * hadamard_size(head_dim)) * 4))  # rope table, rows
         inv_freq = None   # q is roped
     common = [*keys.args(), ctypes.c_void_p(positions), ctypes.c_void_p(req), ctypes.c_void_p(inv_freq or 0),
               ctypes.c_int(rope_dim if inv_freq else 0), ctypes.c_int(heads)]
