@@ -12,7 +12,7 @@
 // sends back the pair's maxima, so both keep the same softmax state. Each adds its own P (registers) times its
 // block's half of V, then the partner's P (shared memory) times the partner block's half (m64n256, V read MN-major
 // from the key tile). Each denominator counts its own keys; the halves meet in the epilogue.
-// A third warpgroup copies q and the key blocks (fp8 entries widened to bf16 on the way) into two tiles, each in
+// A third warpgroup copies q and the key blocks (fp8 entries widened to bf16 in place) into two tiles, each in
 // two halves of four 64-dim slabs with their own full and empty mbarriers, so that a half is refilled as soon as
 // its last reader is done: the even block's low half after warpgroup 0's own P·V, its high half after warpgroup 1's
 // P·V with the partner's P, and the mirror image for the odd block (docs/kernels.md#tensor-cores-for-many-rows).
@@ -20,9 +20,9 @@
 constexpr int kWgaHd = 512, kWgaRd = 64, kWgaHeads = 64, kWgaKeys = 64, kWgaThreads = 384;
 constexpr int kWgaSlab = kWgaKeys * 128, kWgaTileBytes = kWgaKeys * kWgaHd * 2, kWgaQBytes = kWgaHeads * kWgaHd * 2;
 constexpr int kWgaPBytes = kWgaHeads * kWgaKeys * 2;
-constexpr int kWgaMiscBytes = 1024, kWgaStagingBytes = 128 * 16 * 8;  // row maxima, row sums of both warpgroups, key flags of both tiles, 9 mbarriers
+constexpr int kWgaMiscBytes = 1024;  // row maxima, row sums of both warpgroups, key flags of both tiles, 9 mbarriers
 static_assert(4 * kWgaHeads + 8 * kWgaHeads + 2 * kWgaKeys + 9 * 8 <= kWgaMiscBytes, "the launcher's 1024");
-static_assert(1024 + kWgaQBytes + 2 * kWgaTileBytes + 2 * kWgaPBytes + kWgaMiscBytes + kWgaStagingBytes <= 227 * 1024,
+static_assert(1024 + kWgaQBytes + 2 * kWgaTileBytes + 2 * kWgaPBytes + kWgaMiscBytes <= 227 * 1024,
               "a block's shared memory");
 constexpr int kWgaConsumerRegs = 216, kWgaProducerRegs = 80;  // 2·128·216 + 128·80 = 65536
 constexpr float kLog2e = 1.4426950408889634f;
@@ -31,12 +31,13 @@ __device__ __forceinline__ float fast_exp2(float x) {  // 2^x, +0 at -inf
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
-// Named barriers between the consumer warpgroups (256 threads), ids past __syncthreads' 0.
-enum WgaBarrier { kMax0 = 1, kMax1, kP0Ready, kP1Ready, kSums };
+// Named barriers, ids past __syncthreads' 0: between the consumer warpgroups (256 threads), and the producer
+// warpgroup's own (kWidening, 128 threads).
+enum WgaBarrier { kMax0 = 1, kMax1, kP0Ready, kP1Ready, kSums, kWidening };
 
 // Arguments as sparse_attention_mqa (attention_mqa.cu) without the split outputs, hd = kWgaHd, heads <= kWgaHeads
 // a block. grid (rows, ceil(heads / kWgaHeads)), kWgaThreads threads, dynamic shared memory 1024 (alignment) + q
-// + two key tiles + two P tiles + kWgaMiscBytes (row statistics, key flags, mbarriers) + (Fp8Kv) kWgaStagingBytes.
+// + two key tiles + two P tiles + kWgaMiscBytes (row statistics, key flags, mbarriers).
 template <bool Fp8Kv>
 __global__ void __launch_bounds__(kWgaThreads, 1)
 sparse_attention_wgmma(__nv_bfloat16* out, const __nv_bfloat16* q, const int* positions, const int* req,
@@ -57,7 +58,6 @@ sparse_attention_wgmma(__nv_bfloat16* out, const __nv_bfloat16* q, const int* po
     float* row_sum = row_max + kWgaHeads;                              // [warpgroup][head]
     bool* present = reinterpret_cast<bool*>(row_sum + 2 * kWgaHeads);  // [tile][key]
     const unsigned bars = smem_u32(present + 2 * kWgaKeys);            // q, then full and empty of half (tile, h)
-    const unsigned staging = ps + 2 * kWgaPBytes + kWgaMiscBytes;       // Fp8Kv: kWgaStagingBytes
     const auto full = [&](int tile, int h) { return bars + 8 + 8 * (2 * tile + h); };
     const auto empty = [&](int tile, int h) { return bars + 40 + 8 * (2 * tile + h); };
 
@@ -98,86 +98,113 @@ sparse_attention_wgmma(__nv_bfloat16* out, const __nv_bfloat16* q, const int* po
                                    q_row + (head < block_heads ? head * hd + (8 * c + i) * 8 : 0), head < block_heads);
         }
         mbar_arrive_on_copies(bars);
-        // Half h (slabs 4h .. 4h + 3) of block n into tile n % 2; the first half of a block written also sets the
-        // block's key flags. Absent keys and those past the count land as zeros, whose P·V terms vanish.
-        const auto load_half = [&](int n, int h, const char* const (&src)[4], bool flags) {
-            const int tile = n & 1;
-            mbar_wait(empty(tile, h), ((n >> 1) & 1) ^ 1);  // a fresh barrier passes parity 1 at once
-            unsigned char* dst = tiles_g + tile * kWgaTileBytes;
+        const auto source = [&](int n, int r) {  // row g + 16r of block n: its entry, or none
+            const int k = n * kWgaKeys + g + 16 * r;
+            return n < n_blocks && k < cand.count ? cand.entry(k) : nullptr;
+        };
+        if constexpr (!Fp8Kv) {
+            // Half h (slabs 4h .. 4h + 3) of block n into tile n % 2; the first half of a block written also sets
+            // the block's key flags. Absent keys and those past the count land as zeros, whose P·V terms vanish.
+            const auto load_half = [&](int n, int h, bool flags) {
+                const int tile = n & 1;
+                mbar_wait(empty(tile, h), ((n >> 1) & 1) ^ 1);  // a fresh barrier passes parity 1 at once
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const int key = g + 16 * r;
-                if (flags && i == 0) present[tile * kWgaKeys + key] = src[r] != nullptr;
-                if constexpr (!Fp8Kv) {
+                for (int r = 0; r < 4; ++r) {
+                    const int key = g + 16 * r;
+                    const char* src = source(n, r);
+                    if (flags && i == 0) present[tile * kWgaKeys + key] = src != nullptr;
 #pragma unroll
                     for (int c = 0; c < 4; ++c) {
                         const int slab = 4 * h + c;
                         cp_async16_or_zero(tiles + tile * kWgaTileBytes + slab * kWgaSlab + swizzled(key, i),
-                                           src[r] ? src[r] + (8 * slab + i) * 16 : win_base, src[r] != nullptr);
+                                           src ? src + (8 * slab + i) * 16 : win_base, src != nullptr);
                     }
                 }
+                mbar_arrive_on_copies(full(tile, h));
+                mbar_arrive(full(tile, h));
+            };
+            // The order in which the halves are freed: the even block's low half, the odd one's high, then the rest.
+            for (int p = 0; p < n_pairs; ++p) {
+                const bool odd = 2 * p + 1 < n_blocks;
+                load_half(2 * p, 0, true);
+                if (odd) load_half(2 * p + 1, 1, true);
+                load_half(2 * p, 1, false);
+                if (odd) load_half(2 * p + 1, 0, false);
             }
-            if constexpr (Fp8Kv) {
-                // the encoded entry (kv_fp8.cuh): nope dim d's code at d, the rope dims (slab 7) as bf16 at nope, the
-                // scale of slab b at nope + 2·kWgaRd + b; entries are 8-byte aligned. The thread's code chunks land in
-                // its own 16 slots of the staging area, the rope slab straight in the tile, the scale words in
-                // registers: one round trip a half. Absent rows read as zero codes, which widen to zeros.
-                constexpr int nope = kWgaHd - kWgaRd;
-                const auto slot = [&](int r, int c) { return staging + ((4 * r + c) * 128 + pt) * 8; };
-                uint2 scales[4];
+        } else {
+            // fp8 entries (kv_fp8.cuh: nope dim d's code at d, the rope dims as bf16 at nope, the scale of dims
+            // 64b .. at nope + 2·kWgaRd + b) land in their half tile and are widened in place: the scale words in its
+            // first 4 KiB, the codes of its slab c (c < 3, or 4 when h = 0) 4 KiB each from kRawAt[h], each thread's
+            // chunks in slots of its own; the rope slab (7) is bf16 already and goes straight to its place. A half's
+            // copies are in flight while the one before it is widened, except the first half of a pair, which waits
+            // for its buffer's last readers, and they for the half before it.
+            constexpr int nope = kWgaHd - kWgaRd, kRawAt[2] = {16384, 12288};
+            const int full_pairs = n_blocks / 2, halves = 4 * full_pairs + 2 * (n_blocks & 1);
+            const auto block_of = [&](int x) { return x < 4 * full_pairs ? 2 * (x >> 2) + (x & 1) : n_blocks - 1; };
+            const auto half_of = [&](int x) { return x < 4 * full_pairs ? ((x & 3) + 1) >> 1 & 1 : x - 4 * full_pairs; };
+            const auto pair_start = [&](int x) { return x < 4 * full_pairs ? (x & 3) == 0 : x == 4 * full_pairs; };
+            const auto slot = [&](int r) { return (r * 128 + pt) * 8; };
+            const auto issue = [&](int x) {
+                const int n = block_of(x), h = half_of(x), tile = n & 1;
+                const unsigned at = tiles + tile * kWgaTileBytes + 4 * h * kWgaSlab;
+                mbar_wait(empty(tile, h), ((n >> 1) & 1) ^ 1);
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
-                    const char* e = src[r];
-                    const unsigned at = tiles + tile * kWgaTileBytes + 7 * kWgaSlab + swizzled(g + 16 * r, i);
+                    const int key = g + 16 * r;
+                    const char* e = source(n, r);
+                    if (tile == h && i == 0) present[tile * kWgaKeys + key] = e != nullptr;  // the block's first half
+                    cp_async8_or_zero(at + slot(r), e ? e + nope + 2 * kWgaRd : win_base, e != nullptr);
 #pragma unroll
                     for (int c = 0; c < 4; ++c) {
                         const int slab = 4 * h + c;
                         if (slab < 7) {
-                            cp_async8_or_zero(slot(r, c), e ? e + (8 * slab + i) * 8 : win_base, e != nullptr);
+                            cp_async8_or_zero(at + kRawAt[h] + 4096 * c + slot(r), e ? e + (8 * slab + i) * 8 : win_base,
+                                              e != nullptr);
                         } else {
-                            cp_async8_or_zero(at, e ? e + nope + 16 * i : win_base, e != nullptr);
-                            cp_async8_or_zero(at + 8, e ? e + nope + 16 * i + 8 : win_base, e != nullptr);
+                            const unsigned dst = at + 3 * kWgaSlab + swizzled(key, i);
+                            cp_async8_or_zero(dst, e ? e + nope + 16 * i : win_base, e != nullptr);
+                            cp_async8_or_zero(dst + 8, e ? e + nope + 16 * i + 8 : win_base, e != nullptr);
                         }
                     }
-                    scales[r] = e ? *reinterpret_cast<const uint2*>(e + nope + 2 * kWgaRd) : make_uint2(0, 0);
                 }
                 cp_async_commit();
-                cp_async_wait<0>();
+            };
+            const auto widen = [&](int x) {  // every producer thread: a named barrier between its reads and writes
+                const int n = block_of(x), h = half_of(x), tile = n & 1;
+                unsigned char* at = tiles_g + tile * kWgaTileBytes + 4 * h * kWgaSlab;
+                uint2 codes[4][4];
+                unsigned scales[4];
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const uint2 w = *reinterpret_cast<const uint2*>(at + slot(r));
+                    scales[r] = h ? w.y : w.x;  // the bytes of slabs 4h .. 4h + 3
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+                        if (4 * h + c < 7) codes[r][c] = *reinterpret_cast<const uint2*>(at + kRawAt[h] + 4096 * c + slot(r));
+                }
+                bar_sync(kWidening, kWgaThreads / 3);  // every thread holds its codes: the slabs may cover them
 #pragma unroll
                 for (int r = 0; r < 4; ++r)
 #pragma unroll
-                    for (int c = 0; c < 4; ++c) {
-                        const int slab = 4 * h + c;
-                        if (slab == 7) continue;
-                        const uint2 codes = *reinterpret_cast<const uint2*>(smem + (slot(r, c) - base));
-                        const unsigned byte = (slab < 4 ? scales[r].x >> 8 * slab : scales[r].y >> 8 * (slab - 4)) & 0xffu;
-                        *reinterpret_cast<uint4*>(dst + slab * kWgaSlab + swizzled(g + 16 * r, i)) =
-                            e4m3x8_scaled(codes.x, codes.y, e8m0_bf16x2(byte));
-                    }
-                fence_proxy_async();  // this thread's stores become visible to the consumers' wgmma
-            } else {
-                mbar_arrive_on_copies(full(tile, h));
+                    for (int c = 0; c < 4; ++c)
+                        if (4 * h + c < 7)
+                            *reinterpret_cast<uint4*>(at + c * kWgaSlab + swizzled(g + 16 * r, i)) =
+                                e4m3x8_scaled(codes[r][c].x, codes[r][c].y, e8m0_bf16x2(scales[r] >> 8 * c & 0xffu));
+                fence_proxy_async();  // this thread's stores and copies become visible to the consumers' wgmma
+                mbar_arrive(full(tile, h));
+            };
+            if (halves > 0) issue(0);
+            for (int x = 0; x < halves; ++x) {
+                const bool ahead = x + 1 < halves && !pair_start(x + 1);
+                if (ahead) {
+                    issue(x + 1);
+                    cp_async_wait<1>();
+                } else {
+                    cp_async_wait<0>();
+                }
+                widen(x);
+                if (!ahead && x + 1 < halves) issue(x + 1);
             }
-            mbar_arrive(full(tile, h));
-        };
-        const auto sources = [&](int n, const char* (&src)[4]) {
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const int k = n * kWgaKeys + g + 16 * r;
-                src[r] = n < n_blocks && k < cand.count ? cand.entry(k) : nullptr;
-            }
-        };
-        // The order in which the halves are freed: the even block's low half, the odd one's high, then the rest.
-        for (int p = 0; p < n_pairs; ++p) {
-            const bool odd = 2 * p + 1 < n_blocks;
-            const char* even_src[4];
-            const char* odd_src[4];
-            sources(2 * p, even_src);
-            sources(2 * p + 1, odd_src);
-            load_half(2 * p, 0, even_src, true);
-            if (odd) load_half(2 * p + 1, 1, odd_src, true);
-            load_half(2 * p, 1, even_src, false);
-            if (odd) load_half(2 * p + 1, 0, odd_src, false);
         }
         cp_async_wait<0>();  // no copy outlives its thread
         return;

@@ -72,7 +72,6 @@ def _facts():
     yield "attention.WGMMA_THREADS (bounds)", attention.WGMMA_THREADS, launch_bounds("attention_wgmma.cu", "sparse_attention_wgmma")[0]
     yield "attention.WGMMA_HEAD_DIM", attention.WGMMA_HEAD_DIM, wga["kWgaHd"]
     yield "attention.WGMMA_ROPE_DIM", attention.WGMMA_ROPE_DIM, wga["kWgaRd"]
-    yield "attention.WGMMA_STAGING_BYTES", attention.WGMMA_STAGING_BYTES, wga["kWgaStagingBytes"]
     yield "attention.WGMMA_KEYS", attention.WGMMA_KEYS, wga["kWgaKeys"]
     yield "compress.POOL_THREADS", compress.POOL_THREADS, launch_bounds("compress.cu", "compress_pool")[0]
     yield "compress.INDEX_HEADS", compress.INDEX_HEADS, idx["kHeads"]

@@ -25,7 +25,6 @@ WGMMA_HEAD_DIM = 512           # kWgaHd of attention_wgmma.cu (Flash and Pro)
 WGMMA_ROPE_DIM = 64            # kWgaRd
 WGMMA_KEYS = 64                # kWgaKeys: keys per shared-memory tile
 WGMMA_THREADS = 384            # kWgaThreads: two consumer warpgroups and a producer
-WGMMA_STAGING_BYTES = 16384    # kWgaStagingBytes: the producer's fp8 codes of a half tile
 
 _QKV = tuple(f"qkv_norm_rope_insert<{t}{f}>" for f in ("", ",true") for t in ("float", "__nv_bfloat16"))
 _ATTENTION = (*(f"{k}<{t}>" for k in ("sparse_attention", "attention_combine") for t in ("float", "__nv_bfloat16")),
@@ -194,16 +193,16 @@ def _attention_wgmma(device, out, q, positions, req, sink, inv_freq, window, cmp
             ctypes.c_int(heads), ctypes.c_int(rope_dim), ctypes.c_float(np.float32(head_dim ** -0.5)),
             ctypes.c_void_p(step_kv)]
     kernel = device.kernel("attention_wgmma", f"sparse_attention_wgmma<{'true' if packed else 'false'}>", _WGMMA)
-    shared = attention_wgmma_shared_bytes(head_dim, packed)
+    shared = attention_wgmma_shared_bytes(head_dim)
     kernel.allow_shared(shared)
     return kernel.bind((rows, -(-heads // MQA_HEADS)), WGMMA_THREADS, args, shared=shared)
 
 
-def attention_wgmma_shared_bytes(head_dim: int, packed: bool) -> int:
-    """Dynamic shared memory of sparse_attention_wgmma: 1024 to align, q, two key tiles, two P tiles, 1024 of row
-    statistics, key flags and mbarriers; packed fp8 entries add the producer's 16 KiB staging area for their codes."""
+def attention_wgmma_shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of sparse_attention_wgmma: 1024 to align, q, two key tiles (fp8 entries are widened in
+    them), two P tiles, 1024 of row statistics, key flags and mbarriers."""
     tiles = MQA_HEADS * head_dim * 2 + 2 * WGMMA_KEYS * head_dim * 2 + 2 * MQA_HEADS * WGMMA_KEYS * 2
-    return 1024 + tiles + 1024 + (WGMMA_STAGING_BYTES if packed else 0)
+    return 1024 + tiles + 1024
 
 
 def attention_mqa_shared_bytes(dtype, head_dim: int, rope_dim: int, fp8_kv: bool = False) -> int:
