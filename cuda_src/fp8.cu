@@ -78,18 +78,11 @@ __device__ __forceinline__ void dot16(float (&d)[4], const uint4& w0, const uint
             if constexpr (sizeof(InT) == 2) {
                 mma<Mma::bf16>(d, a0, a1, a2, a3, word(a[q >> 1], 2 * (q & 1)), word(a[q >> 1], 2 * (q & 1) + 1));
             } else {
-                float v[4];
+                unsigned lo[3], hi[3];
+                split_bf16x3(__uint_as_float(word(a[q], 0)), __uint_as_float(word(a[q], 1)), lo);
+                split_bf16x3(__uint_as_float(word(a[q], 2)), __uint_as_float(word(a[q], 3)), hi);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) v[e] = __uint_as_float(word(a[q], e));
-#pragma unroll
-                for (int part = 0; part < 3; ++part) {
-                    const unsigned lo = bf16x2(v[0], v[1]), hi = bf16x2(v[2], v[3]);
-                    mma<Mma::bf16>(d, a0, a1, a2, a3, lo, hi);
-                    const unsigned taken[4] = {lo << 16, lo & 0xffff0000u, hi << 16, hi & 0xffff0000u};
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)  // an infinity goes whole into the first part
-                        v[e] = isfinite(v[e]) ? v[e] - __uint_as_float(taken[e]) : 0.f;
-                }
+                for (int part = 0; part < 3; ++part) mma<Mma::bf16>(d, a0, a1, a2, a3, lo[part], hi[part]);
             }
         }
     }

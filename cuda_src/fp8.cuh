@@ -134,6 +134,18 @@ __device__ __forceinline__ unsigned bf16x2(float lo, float hi) {
     return l | h << 16;
 }
 
+// Two floats as three bf16 pairs (lo in the low halves) that sum to them exactly, so that products of bf16 operands
+// with them are exact in fp32: each part rounds what the parts before it left, a remainder float32 holds exactly,
+// and the third has at most 8 significant bits left. An infinity goes whole into the first part.
+__device__ __forceinline__ void split_bf16x3(float lo, float hi, unsigned (&parts)[3]) {
+#pragma unroll
+    for (int p = 0; p < 3; ++p) {
+        parts[p] = bf16x2(lo, hi);
+        lo = isfinite(lo) ? lo - __uint_as_float(parts[p] << 16) : 0.f;
+        hi = isfinite(hi) ? hi - __uint_as_float(parts[p] & 0xffff0000u) : 0.f;
+    }
+}
+
 // act_quant's scale of a block (docs/numerics.md#act-quant) as its e8m0 byte: s = 2^ceil(log2(max(amax, 1e-4) / 448)),
 // the quotient rounded to float32 before its exponent is taken, as numpy does; 127 (s = 1) for a block holding NaN
 // or ±inf, as in the reference (frexp of a non-finite ratio gives exponent 0). The byte stays within [105, 247].

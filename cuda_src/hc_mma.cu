@@ -1,10 +1,11 @@
 // dsv4rt-instantiate: hc_project_mma<2> hc_project_mma<4>
 #include "common.cuh"
+#include "fp8.cuh"
 
 // hc_pre's projections (docs/model.md#hyper-connections) for prefill steps of the bf16 build, on the tensor cores:
 // x [T, K] (K = hc·D bf16 columns) against fn [R, K] float32, R = (2 + hc)·hc. Each fn value enters as three bf16
-// terms whose sum is the value exactly (split3), so with x already bf16 every m16n8k16 product is exact and only the
-// order of the float32 sums differs from a float32 matmul. Block (b, s) takes tokens 64b .. 64b + 63 over the
+// terms whose sum is the value exactly (split_bf16x3), so with x already bf16 every m16n8k16 product is exact: only
+// the order of the float32 sums differs from a float32 matmul. Block (b, s) takes tokens 64b .. 64b + 63 over the
 // columns of k tiles [s·per_slice, (s + 1)·per_slice) of 64, warp w its 16 tokens; the tiles come by cp.async in
 // kPmStages stages. It writes partial [T][slices][R + 1] (fn's rows, then the sum of squares of x), which
 // hc_pre_finish (hc.cu) adds up in slice order, as it does hc_pre_decode's.
@@ -14,19 +15,6 @@ constexpr int kPmXBytes = kPmTokens * kPmK * 2;
 
 template <int HC>
 __host__ __device__ constexpr int pm_stage_bytes() { return kPmXBytes + (2 + HC) * HC * kPmFnStride * 4; }
-
-// Two floats as three bf16 pairs, b[0] + b[1] + b[2] == v exactly: each term rounds what the ones before left, a
-// remainder that float32 holds exactly, and the third has at most 8 significant bits left.
-__device__ __forceinline__ void split3(float2 v, unsigned (&b)[3]) {
-#pragma unroll
-    for (int i = 0; i < 3; ++i) {
-        const __nv_bfloat162 h = __floats2bfloat162_rn(v.x, v.y);
-        b[i] = *reinterpret_cast<const unsigned*>(&h);
-        const float2 f = __bfloat1622float2(h);
-        v.x -= f.x;
-        v.y -= f.y;
-    }
-}
 
 // grid (ceil(tokens / kPmTokens), slices), kPmThreads threads, dynamic shared memory kPmStages · pm_stage_bytes.
 // K a multiple of kPmK, x and fn 16-byte aligned.
@@ -81,8 +69,8 @@ __global__ void __launch_bounds__(kPmThreads) hc_project_mma(float* partial, con
             for (int n = 0; n < NT; ++n) {
                 const float* row = fs + (8 * n + g) * kPmFnStride + 16 * ks + 2 * q;
                 unsigned b0[3], b1[3];
-                split3(*reinterpret_cast<const float2*>(row), b0);
-                split3(*reinterpret_cast<const float2*>(row + 8), b1);
+                split_bf16x3(row[0], row[1], b0);
+                split_bf16x3(row[8], row[9], b1);
 #pragma unroll
                 for (int p = 0; p < 3; ++p) mma<Mma::bf16>(acc[n], a[0], a[1], a[2], a[3], b0[p], b1[p]);
             }
