@@ -197,27 +197,27 @@ class Fp4MoE:
     def _wgmma(device, dtype, d, at, x, routed, shared, limit) -> list[Launch]:
         F, D, T = d.inter, d.dim, d.tokens
         s_rows = T if shared is not None else 0
-        # the routed rows of the SwiGLU output and of its act_quant, after the shared expert's
-        hidden, hq, hs = at["hidden"] + 4 * s_rows * F, at["hq"] + s_rows * F, at["hs"] + s_rows * fp8.scale_columns(F)
+        # the shared expert's SwiGLU rows first, then the routed rows: one act_quant over both, as _skinny's
         common = dict(offsets=at["offsets"], tile_offsets=at["tile_offsets"], experts=d.experts,
                       tiles=d.max_tiles(WGMMA_ROWS))
-        launches = [
-            fp8.act_quant(device, dtype, at["xq"], at["xs"], x, T, D),
-            fp8_experts(device, hidden, at["xq"], at["xs"], (routed.w1, routed.w1_scale),
-                        (routed.w3, routed.w3_scale), n=F, k=D, perm=at["perm"], active=d.active,
-                        weight=at["weight"], limit=limit, **common),
-            fp8.act_quant(device, np.float32, hq, hs, hidden, d.pairs, F),
-            fp8_experts(device, at["expert_out"], hq, hs, (routed.w2, routed.w2_scale), n=D, k=F, **common),
-        ]
+        launches = [fp8.act_quant(device, dtype, at["xq"], at["xs"], x, T, D)]
         if shared is not None:
             launches += [
                 gemm_fp8.fp8_gemm(device, at["xq"], at["xs"], shared.w1, shared.w1_scale, at["g"], T, F, D, np.float32),
                 gemm_fp8.fp8_gemm(device, at["xq"], at["xs"], shared.w3, shared.w3_scale, at["u"], T, F, D, np.float32),
                 swiglu(device, np.float32, at["hidden"], at["g"], at["u"], T, F, limit),
-                fp8.act_quant(device, np.float32, at["hq"], at["hs"], at["hidden"], T, F),
-                gemm_fp8.fp8_gemm(device, at["hq"], at["hs"], shared.w2, shared.w2_scale, at["shared_out"], T, D, F,
-                                  np.float32),
             ]
+        launches += [
+            fp8_experts(device, at["hidden"] + 4 * s_rows * F, at["xq"], at["xs"], (routed.w1, routed.w1_scale),
+                        (routed.w3, routed.w3_scale), n=F, k=D, perm=at["perm"], active=d.active,
+                        weight=at["weight"], limit=limit, **common),
+            fp8.act_quant(device, np.float32, at["hq"], at["hs"], at["hidden"], s_rows + d.pairs, F),
+            fp8_experts(device, at["expert_out"], at["hq"] + s_rows * F, at["hs"] + s_rows * fp8.scale_columns(F),
+                        (routed.w2, routed.w2_scale), n=D, k=F, **common),
+        ]
+        if shared is not None:
+            launches.append(gemm_fp8.fp8_gemm(device, at["hq"], at["hs"], shared.w2, shared.w2_scale, at["shared_out"],
+                                              T, D, F, np.float32))
         return launches
 
     def __call__(self, stream):
