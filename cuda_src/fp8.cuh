@@ -163,3 +163,27 @@ __device__ __forceinline__ unsigned short act_codes(float a, float b, float inv)
     if (!isnan(p.y)) p.y = fminf(fmaxf(p.y, -kE4m3Max), kE4m3Max);
     return __nv_cvt_float2_to_fp8x2(p, __NV_SATFINITE, __NV_E4M3);
 }
+
+// act_quant of a row's 8 values at columns 8c .. 8c + 7 where the 16 lanes of a half warp hold the 16 chunks of a
+// 128-column block (c = 16b + lane % 16): codes to q[8c ..], the block's scale byte to s[c / 16] by its first lane.
+// Every lane of the half warp calls it; the same bytes as the act_quant kernel on these values.
+__device__ __forceinline__ void act_quant_chunk(const float (&v)[8], unsigned char* q, unsigned char* s, int c) {
+    const unsigned half = 0xffffu << (threadIdx.x & 16);
+    float amax = 0.f;
+    bool finite = true;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e])), finite &= isfinite(v[e]);
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) {  // fmaxf drops NaN: non-finite blocks are told apart by the flag
+        amax = fmaxf(amax, __shfl_xor_sync(half, amax, o));
+        finite &= __shfl_xor_sync(half, static_cast<int>(finite), o) != 0;
+    }
+    const unsigned byte = act_scale_byte(amax, finite);
+    const float inv = e8m0_value(254u - byte);
+    unsigned short codes[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) codes[e] = act_codes(v[2 * e], v[2 * e + 1], inv);
+    *reinterpret_cast<uint2*>(q + 8 * c) = make_uint2(codes[0] | static_cast<unsigned>(codes[1]) << 16,
+                                                      codes[2] | static_cast<unsigned>(codes[3]) << 16);
+    if ((c & 15) == 0) s[c >> 4] = static_cast<unsigned char>(byte);
+}

@@ -9,6 +9,7 @@
 // dsv4rt-instantiate: hc_head<float,2> hc_head<float,4> hc_head<__nv_bfloat16,2> hc_head<__nv_bfloat16,4>
 // dsv4rt-instantiate: hc_post<float,2> hc_post<float,4> hc_post<__nv_bfloat16,2> hc_post<__nv_bfloat16,4>
 #include "common.cuh"
+#include "fp8.cuh"
 
 // Manifold-constrained hyper-connections (docs/model.md#hyper-connections) on streams X [T, HC, D].
 // hc_pre and hc_head launch kHcThreads threads as (lanes, groups): each group of `lanes` threads
@@ -521,11 +522,13 @@ __device__ __forceinline__ void load_kept(typename ChunkOf<T, W>::type (&xr)[kPr
 }
 
 // u[t] = Σ_j pre_j X[t, j] and, with xn, xn[t] = RMSNorm(u[t]) · norm_w, on the combining warps. The chunks load_kept
-// loaded stay in registers for the norm; chunks past them (long rows) are read again from u.
+// loaded stay in registers for the norm; chunks past them (long rows) are read again from u. With xq (bf16 chunks,
+// dim a multiple of 128) also act_quant(xn[t]): codes to xq, scale bytes to xs, as the act_quant kernel would.
 template <typename T, int HC, int W>
 __device__ __forceinline__ void combine_norm(T* u, T* xn, const T* xt, const float* norm_w, const float (&pre)[HC],
                                              const typename ChunkOf<T, W>::type (&xr)[kPreKeep][HC],
-                                             const float (&wr)[kPreKeep][W], int dim, float norm_eps) {
+                                             const float (&wr)[kPreKeep][W], int dim, float norm_eps,
+                                             unsigned char* xq = nullptr, unsigned char* xs = nullptr) {
     using Chunk = typename ChunkOf<T, W>::type;
     __shared__ float warp_sq[kPreCombiners / 32];
     const int tid = threadIdx.x, chunks = dim / W;
@@ -575,6 +578,8 @@ __device__ __forceinline__ void combine_norm(T* u, T* xn, const T* xt, const flo
 #pragma unroll
         for (int e = 0; e < W; ++e) ur[i][e] = ur[i][e] * inv_rms * wr[i][e];
         store_rounded<T, W>(xn + c * W, ur[i]);
+        if constexpr (W == 8)
+            if (xq != nullptr) act_quant_chunk(ur[i], xq, xs, c);
     }
     for (int c = tid + kPreCombiners * kPreKeep; c < chunks; c += kPreCombiners) {
         float a[W], g[W];
@@ -583,6 +588,8 @@ __device__ __forceinline__ void combine_norm(T* u, T* xn, const T* xt, const flo
 #pragma unroll
         for (int e = 0; e < W; ++e) a[e] = a[e] * inv_rms * g[e];
         store_rounded<T, W>(xn + c * W, a);
+        if constexpr (W == 8)
+            if (xq != nullptr) act_quant_chunk(a, xq, xs, c);
     }
 }
 
@@ -594,7 +601,8 @@ template <typename T, int HC>
 __device__ __forceinline__ void finish_token(int t, bool vec, T* u, float* post, float* comb, const T* x,
                                              const float* params, int dim, float eps, float hc_eps, int iters, T* xn,
                                              const float* norm_w, float norm_eps, const float* partial, int slices,
-                                             const uint4 (&xr)[kPreKeep][HC], const float (&wr)[kPreKeep][kVec<T>]) {
+                                             const uint4 (&xr)[kPreKeep][HC], const float (&wr)[kPreKeep][kVec<T>],
+                                             unsigned char* xq = nullptr, unsigned char* xs = nullptr) {
     constexpr int R = (2 + HC) * HC, V = kVec<T>, BATCH = 16;  // BATCH: partial loads in flight per lane
     __shared__ float part[kPreWarps][32];
     __shared__ float v[R];
@@ -647,7 +655,9 @@ __device__ __forceinline__ void finish_token(int t, bool vec, T* u, float* post,
         T* ut = u + static_cast<size_t>(t) * dim;
         T* xnt = xn != nullptr ? xn + static_cast<size_t>(t) * dim : nullptr;
         if (vec) {
-            combine_norm<T, HC, V>(ut, xnt, xt, norm_w, pre, xr, wr, dim, norm_eps);
+            combine_norm<T, HC, V>(ut, xnt, xt, norm_w, pre, xr, wr, dim, norm_eps,
+                                   xq != nullptr ? xq + static_cast<size_t>(t) * dim : nullptr,
+                                   xq != nullptr ? xs + static_cast<size_t>(t) * (dim / kFp8Block) : nullptr);
         } else {
             T xs[kPreKeep][HC];
             float ws[kPreKeep][1];
@@ -697,12 +707,12 @@ __device__ __forceinline__ void finish(int role, int finishers, bool last, int b
 }
 
 // Prefill steps of the bf16 build: token blockIdx.x's finish from hc_project_mma's partial sums (hc_mma.cu), which
-// the launch before wrote.
+// the launch before wrote. xq, xs (or null): act_quant of xn [T, dim], dim a multiple of 128, chunked rows.
 template <typename T, int HC>
 __global__ void __launch_bounds__(kPreThreads, 2)
     hc_pre_finish(T* u, float* post, float* comb, const T* x, const float* base, const float* scale, int dim,
                   float eps, float hc_eps, int iters, T* xn, const float* norm_w, float norm_eps,
-                  const float* partial, int slices) {
+                  const float* partial, int slices, unsigned char* xq, unsigned char* xs) {
     constexpr int R = (2 + HC) * HC, V = kVec<T>;
     __shared__ float params[R + 3];  // base, then scale
     if (threadIdx.x < R + 3) params[threadIdx.x] = threadIdx.x < R ? base[threadIdx.x] : scale[threadIdx.x - R];
@@ -714,7 +724,7 @@ __global__ void __launch_bounds__(kPreThreads, 2)
         load_kept<T, HC, V>(xr, wr, x + static_cast<size_t>(t) * HC * dim, xn != nullptr ? norm_w : nullptr, dim);
     __syncthreads();
     finish_token<T, HC>(t, vec, u, post, comb, x, params, dim, eps, hc_eps, iters, xn, norm_w, norm_eps, partial,
-                        slices, xr, wr);
+                        slices, xr, wr, xq, xs);
 }
 
 template <typename T, int HC, int NT>

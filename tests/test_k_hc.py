@@ -103,6 +103,34 @@ def test_pre_with_norm_writes_the_normed_input(rt, dev, dtype, tokens, hc, dim):
     assert rel_rows(fetch(rt, dxn, u.astype(dtype)), rmsnorm(u, w, EPS)).max() < out_tol(dtype)
 
 
+@pytest.mark.parametrize("dtype, tokens, hc, dim", [(BF16, 7, 4, 4096), (BF16, 1100, 4, 4096), (BF16, 600, 2, 4992),
+                                                     (np.float32, 1100, 4, 4096), (BF16, 4500, 4, 100)])
+def test_pre_quantises_the_normed_input(rt, dev, dtype, tokens, hc, dim):
+    """With xq, xs: act_quant(xn) byte for byte as fp8.act_quant gives it, from inside the finish of bf16 prefill
+    steps (1100 and 600 tokens; 4992 columns: the kept chunks and the long rows' loop) and as a launch after the
+    others (decode, float32, 100 columns: the CUDA-core projection)."""
+    from dsv4rt.model import fp8, hc as k
+    rng = np.random.default_rng(tokens + dim + 1)
+    x = streams(rng, tokens, hc, dim, dtype)
+    fn, base, scale = mixing(rng, (2 + hc) * hc, hc, dim, 3)
+    w = rng.uniform(0.5, 1.5, dim).astype(np.float32)
+    du, dxn = dev(poison((tokens, dim), dtype)), dev(poison((tokens, dim), dtype))
+    cols = fp8.scale_columns(dim)
+    dq, ds = dev(np.full((tokens, dim), 0xAB, np.uint8)), dev(np.full((tokens, cols), 0xAB, np.uint8))
+    outs = [dev(poison((tokens, hc), np.float32)), dev(poison((tokens, hc, hc), np.float32))]
+    k.pre(rt.device, dtype, du.ptr, outs[0].ptr, outs[1].ptr, dev(x).ptr, dev(fn).ptr, dev(base).ptr, dev(scale).ptr,
+          tokens, hc, dim, EPS, HC_EPS, ITERS, xn=dxn.ptr, norm=dev(w).ptr, norm_eps=EPS,
+          workspace=workspace(dev, tokens, hc, dim).ptr, xq=dq.ptr, xs=ds.ptr)(rt.stream)
+    wq, ws = dev(np.zeros((tokens, dim), np.uint8)), dev(np.zeros((tokens, cols), np.uint8))
+    fp8.act_quant(rt.device, dtype, wq.ptr, ws.ptr, dxn.ptr, tokens, dim)(rt.stream)
+    rt.stream.synchronize()
+    for got, want, shape in ((dq, wq, (tokens, dim)), (ds, ws, (tokens, cols))):
+        assert np.array_equal(got.copy_to_host(np.empty(shape, np.uint8)), want.copy_to_host(np.empty(shape, np.uint8)))
+    with pytest.raises(ValueError, match="needs xn"):
+        k.pre(rt.device, dtype, du.ptr, outs[0].ptr, outs[1].ptr, 1, 2, 3, 4, tokens, hc, dim, EPS, HC_EPS, ITERS,
+              workspace=1, xq=dq.ptr, xs=ds.ptr)
+
+
 def test_pre_decode_batches_take_the_decode_kernel(rt):
     from dsv4rt.model import hc as k
     cases = [(1, "hc_pre_decode<__nv_bfloat16,4,1>", (128, 1)), (8, "hc_pre_decode<__nv_bfloat16,4,8>", (128, 1)),

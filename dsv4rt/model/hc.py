@@ -13,6 +13,7 @@ from dsv4rt.cuda.build import declared
 from dsv4rt.cuda.device import Device, Launch
 from dsv4rt.cuda import ops
 from dsv4rt.cuda.ops import storage_name
+from dsv4rt.model import fp8
 from dsv4rt.model.paged import NOTHING, LaunchSequence
 
 HCS = (2, 4)    # the hc_mult values instantiated in hc.cu
@@ -117,11 +118,13 @@ def decode_tokens(sm_count: int) -> int:
 
 def pre(device: Device, dtype, u: int, post: int, comb: int, x: int, fn: int, base: int, scale: int,
         tokens: int, hc: int, dim: int, eps: float, hc_eps: float, iters: int, *, xn: int = 0, norm: int = 0,
-        norm_eps: float = 0.0, workspace: int = 0,
-        fused_post: tuple[int, int, int, int] | None = None) -> Launch | LaunchSequence:
+        norm_eps: float = 0.0, workspace: int = 0, fused_post: tuple[int, int, int, int] | None = None,
+        xq: int = 0, xs: int = 0) -> Launch | LaunchSequence:
     """u [T, D] = Σ_j pre_j X_j, post [T, hc], comb [T, hc, hc] from streams x [T, hc, D];
     fn [(2+hc)·hc, hc·D], base [(2+hc)·hc], scale [3]. With xn also xn [T, D] = RMSNorm(u) · norm
-    (float32 [D]), inside the decode kernel or as a second launch. Decode batches need `workspace`:
+    (float32 [D]), inside the decode kernel or as a second launch; with xq, xs also act_quant(xn) as fp8.act_quant
+    writes it (e4m3 [T, D], e8m0 [T, ceil(D / 128)]), inside the finish of bf16 prefill steps (D a multiple of
+    128) or as a launch after. Decode batches need `workspace`:
     pre_workspace_bytes(tokens, hc, dim) bytes or more, zeroed before its first use.
     fused_post = (x_prev, f, post_prev, comb_prev), decode batches only: first x = post(x_prev, f, post_prev,
     comb_prev) (what `post` would write), bit for bit, in the same launch. Out of place: x_prev is not x, and post,
@@ -133,8 +136,11 @@ def pre(device: Device, dtype, u: int, post: int, comb: int, x: int, fn: int, ba
             raise ValueError(f"fused_post needs a decode batch (at most {most} tokens), got {tokens}")
         if x_prev == x or post_prev == post or comb_prev == comb:
             raise ValueError("fused_post's streams, post and comb must be other buffers than x, post and comb")
+    if xq and not (xn and xs):
+        raise ValueError("act_quant of the normed input (xq, xs) needs xn")
     if tokens == 0:
         return NOTHING
+    quantise = [fp8.act_quant(device, dtype, xq, xs, xn, tokens, dim)] if xq else []
     args = _p(u, post, comb, x, fn, base, scale) + [ctypes.c_int(tokens), ctypes.c_int(dim), ctypes.c_float(eps),
                                                     ctypes.c_float(hc_eps), ctypes.c_int(iters)]
     if tokens <= decode_tokens(device.sm_count):
@@ -148,7 +154,8 @@ def pre(device: Device, dtype, u: int, post: int, comb: int, x: int, fn: int, ba
         finishers = min(tokens, groups * slices, device.sm_count - 1)
         args += [*_p(xn, norm), ctypes.c_float(norm_eps), *_p(workspace, workspace + COUNTER_BYTES),
                  ctypes.c_int(cols), ctypes.c_int(finishers), *_p(*(fused_post or (0, 0, 0, 0)))]
-        return _kernel(device, "hc_pre_decode", dtype, hc, group).bind((slices, groups), DECODE_THREADS, args)
+        launch = _kernel(device, "hc_pre_decode", dtype, hc, group).bind((slices, groups), DECODE_THREADS, args)
+        return LaunchSequence(launch, *quantise) if quantise else launch
     if projects_on_mma(dtype, hc, dim):
         # The projections on the tensor cores, the rest (Sinkhorn, u, the norm) one token a block as the decode
         # finishers do it; the CUDA-core projection below reads the streams twice and holds 32 tokens a block.
@@ -160,15 +167,19 @@ def pre(device: Device, dtype, u: int, post: int, comb: int, x: int, fn: int, ba
         shared = PROJECT_STAGES * (PROJECT_TOKENS * PROJECT_K * 2 + r * (PROJECT_K + 8) * 4)
         project = device.kernel("hc_mma", f"hc_project_mma<{hc}>", declared("hc_mma"))
         project.allow_shared(shared)
+        inside = quantise and dim % fp8.BLOCK == 0 and all(p % 16 == 0 for p in (x, u, xn, norm))  # chunked rows
         finish = _kernel(device, "hc_pre_finish", dtype, hc).bind(tokens, DECODE_THREADS, [
             *_p(u, post, comb, x, base, scale), ctypes.c_int(dim), ctypes.c_float(eps), ctypes.c_float(hc_eps),
-            ctypes.c_int(iters), *_p(xn, norm), ctypes.c_float(norm_eps), *_p(partial), ctypes.c_int(slices)])
+            ctypes.c_int(iters), *_p(xn, norm), ctypes.c_float(norm_eps), *_p(partial), ctypes.c_int(slices),
+            *(_p(xq, xs) if inside else _p(0, 0))])
         return LaunchSequence(project.bind((blocks, slices), PROJECT_THREADS, [
             *_p(partial, x, fn), ctypes.c_int(tokens), ctypes.c_int(hc * dim), ctypes.c_int(per_slice)],
-            shared=shared), finish)
+            shared=shared), finish, *([] if inside else quantise))
     g = _groups(device, tokens)
     launch = _kernel(device, "hc_pre", dtype, hc).bind(-(-tokens // (g * TOK)), (THREADS // g, g), args)
-    return LaunchSequence(launch, ops.rmsnorm(device, dtype, xn, u, norm, tokens, dim, norm_eps)) if xn else launch
+    if not xn:
+        return launch
+    return LaunchSequence(launch, ops.rmsnorm(device, dtype, xn, u, norm, tokens, dim, norm_eps), *quantise)
 
 
 def head(device: Device, dtype, y: int, x: int, fn: int, base: int, scale: int, tokens: int, hc: int, dim: int,

@@ -145,34 +145,39 @@ class Fp4MoE:
     """moe.MoE's y [tokens, dim] = Σ_slot w2(w·h(x)) + shared(x) on the released expert formats, with the
     faithful activation quantisation. x, y, gate (bf16 or float32 [experts, dim]), bias / tid2eid / ids as in
     moe.MoE; `workspace` holds workspace_bytes(dims, dtype) bytes. The shared expert, when there is one, has the
-    routed experts' inter (dims.shared_inter == dims.inter)."""
+    routed experts' inter (dims.shared_inter == dims.inter). x_quantized = (xq, xs): act_quant(x) is already there
+    (e4m3 [tokens, dim], e8m0 [tokens, dim / 128]), written by an earlier launch on the stream."""
 
     def __init__(self, device: Device, blas: Blas, dtype, dims: MoeDims, *, x: int, y: int, gate: int,
                  routed: Fp4Experts, shared: Fp8Expert | None, scaling: float, limit: float, workspace: int,
-                 bias: int | None = None, tid2eid: int | None = None, ids: int | None = None, path: str | None = None):
+                 bias: int | None = None, tid2eid: int | None = None, ids: int | None = None, path: str | None = None,
+                 x_quantized: tuple[int, int] | None = None):
         d = dims
         check_layer(d, shared, bias, tid2eid, ids, BLOCK, "packed e2m1 rows of 16-byte vectors")
         if d.shared_inter not in (0, d.inter):
             raise ValueError(f"the shared expert's inter {d.shared_inter} differs from the routed {d.inter}")
         at = {k: workspace + v for k, v in _layout(d, dtype).items()}
+        quantise_x = x_quantized is None
+        if not quantise_x:   # act_quant(x) left by an earlier launch (hc.pre's, with the norm)
+            at["xq"], at["xs"] = x_quantized
         self.dims, self.scratch = d, at
         self.path = path or fp4_path(device.arch, dtype, d)
         self.tile_rows = WGMMA_ROWS if self.path == "wgmma" else TILE_ROWS
         launches = route_and_sort(device, blas, dtype, d, at, x, gate, scaling, self.tile_rows, bias=bias,
                                   tid2eid=tid2eid, ids=ids)
-        launches += (self._wgmma if self.path == "wgmma" else self._skinny)(device, dtype, d, at, x, routed, shared,
-                                                                            limit)
+        if quantise_x:
+            launches.append(fp8.act_quant(device, dtype, at["xq"], at["xs"], x, d.tokens, d.dim))
+        launches += (self._wgmma if self.path == "wgmma" else self._skinny)(device, dtype, d, at, routed, shared, limit)
         launches.append(combine(device, dtype, d, at, y, shared is not None))
         self.launches = launches if d.tokens else []
 
     @staticmethod
-    def _skinny(device, dtype, d, at, x, routed, shared, limit) -> list[Launch]:
+    def _skinny(device, dtype, d, at, routed, shared, limit) -> list[Launch]:
         F, D, T = d.inter, d.dim, d.tokens
         s_rows = T if shared is not None else 0
         rows = s_rows + d.pairs
         tiles = d.max_tiles(TILE_ROWS)
         launches = [
-            fp8.act_quant(device, dtype, at["xq"], at["xs"], x, T, D),
             expert_gemm(device, np.float32, at["g"] + 4 * s_rows * F, at["xq"], at["xs"], routed.w1, routed.w1_scale,
                         at["offsets"], at["tile_offsets"], d.experts, tiles, F, D, perm=at["perm"], active=d.active,
                         out_second=at["u"] + 4 * s_rows * F, w_second=routed.w3, w_second_scale=routed.w3_scale),
@@ -194,13 +199,13 @@ class Fp4MoE:
         return launches
 
     @staticmethod
-    def _wgmma(device, dtype, d, at, x, routed, shared, limit) -> list[Launch]:
+    def _wgmma(device, dtype, d, at, routed, shared, limit) -> list[Launch]:
         F, D, T = d.inter, d.dim, d.tokens
         s_rows = T if shared is not None else 0
         # the shared expert's SwiGLU rows first, then the routed rows: one act_quant over both, as _skinny's
         common = dict(offsets=at["offsets"], tile_offsets=at["tile_offsets"], experts=d.experts,
                       tiles=d.max_tiles(WGMMA_ROWS))
-        launches = [fp8.act_quant(device, dtype, at["xq"], at["xs"], x, T, D)]
+        launches = []
         if shared is not None:
             launches += [
                 gemm_fp8.fp8_gemm(device, at["xq"], at["xs"], shared.w1, shared.w1_scale, at["g"], T, F, D, np.float32),
