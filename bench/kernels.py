@@ -391,6 +391,17 @@ def hc_prefill(b: Bench, T: int):
     b.record("hc_pre prefill +norm", T, 0, run, 2 * T * HC * D * E2 + 2 * T * D * E2, 2 * T * HC * D * (2 + HC) * HC)
 
 
+def fp8_entries(rng, n: int, hd: int, rd: int) -> np.ndarray:
+    """n faithful-mode KV entries (kv_entry layout: e4m3 codes, bf16 rope dims, e8m0 scales, padding) of random
+    values, none of them NaN."""
+    nope, size = hd - rd, packed_kv_bytes(hd, rd)
+    e = np.zeros((n, size), np.uint8)
+    e[:, :nope] = rng.integers(0, 0x7F, (n, nope)) | rng.integers(0, 2, (n, nope)) << 7   # 0x7f, 0xff: NaN
+    e[:, nope:nope + 2 * rd] = (rng.standard_normal((n, rd)) * 0.05).astype(BF16).view(np.uint8)
+    e[:, nope + 2 * rd:nope + 2 * rd + -(-nope // 64)] = rng.integers(120, 128, (n, -(-nope // 64)))
+    return e.reshape(-1)
+
+
 def per_prefill(b: Bench, T: int, C: int):
     """A prefill step of T tokens of one request, positions C − T … C − 1: sparse attention (the tensor-core
     kernel; the step's own window keys from its rows, earlier ones from the cache) per layer kind, and the
@@ -422,9 +433,11 @@ def per_prefill(b: Bench, T: int, C: int):
     # the faithful build's 584-byte entries (e4m3 nope dims, bf16 rope dims, scales), widened on their way in
     E8 = packed_kv_bytes(HD, RD)
     rows8 = b.buf(T * E8)
-    window8, _ = paged(b, 1, C, 64, E8, held_from=max(0, C - T - W + 1) // 64)
-    c4a8, _ = paged(b, 1, n4, 64, E8)
-    c128a8, _ = paged(b, 1, max(1, n128), 2, E8)
+    window8, pool_w = paged(b, 1, C, 64, E8, held_from=max(0, C - T - W + 1) // 64)
+    c4a8, pool_4 = paged(b, 1, n4, 64, E8)
+    c128a8, pool_128 = paged(b, 1, max(1, n128), 2, E8)
+    for buf in (rows8, pool_w, pool_4, pool_128):   # entries as the cache holds them: no NaN codes, scales near 1
+        buf.copy_from_host(fp8_entries(rng, buf.nbytes // E8, HD, RD))
     for mode, cache, chosen, ratio, keys in (
             ("c4a", c4a8, b.host(sel).ptr, 4, window_keys + np.minimum(visible4, TOPK)),
             ("c128a", c128a8, None, 128, window_keys + visible128), ("sliding", None, None, 0, window_keys)):
