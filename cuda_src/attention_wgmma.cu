@@ -49,8 +49,9 @@ sparse_attention_wgmma(__nv_bfloat16* out, const __nv_bfloat16* q, const int* po
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int hd = kWgaHd;
     extern __shared__ unsigned char smem_raw[];
-    const unsigned base = (smem_u32(smem_raw) + 1023) & ~1023u;
-    unsigned char* smem = smem_raw + (base - smem_u32(smem_raw));  // generic address of base
+    const SmemBase aligned = smem_base_1024(smem_raw);
+    const unsigned base = aligned.addr;
+    unsigned char* smem = aligned.ptr;  // generic address of base
     const unsigned qs = base, tiles = qs + kWgaQBytes, ps = tiles + 2 * kWgaTileBytes;
     unsigned char* tiles_g = smem + kWgaQBytes;
     unsigned char* ps_g = tiles_g + 2 * kWgaTileBytes;

@@ -149,6 +149,17 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
 // no bank conflicts.
 __device__ __forceinline__ unsigned swizzled(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
+// The dynamic shared memory raw from its first 1024-byte boundary (the 128-byte swizzle's period): the shared-window
+// address and the generic pointer of the same byte. Launchers allow 1024 bytes more for it.
+struct SmemBase {
+    unsigned addr;
+    unsigned char* ptr;
+};
+__device__ __forceinline__ SmemBase smem_base_1024(unsigned char* raw) {
+    const unsigned addr = (smem_u32(raw) + 1023) & ~1023u;
+    return {addr, raw + (addr - smem_u32(raw))};
+}
+
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));

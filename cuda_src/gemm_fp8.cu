@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kThreads<WG, H>, 3 - WG)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int S = kStages<WG, H>, A_BYTES = kWgRows * WG * kFp8Block, STAGE = kStageBytes<WG, H>;
     extern __shared__ unsigned char shared[];
-    const unsigned base = (static_cast<unsigned>(__cvta_generic_to_shared(shared)) + 1023) & ~1023u;
+    const unsigned base = smem_base_1024(shared).addr;
     const unsigned full = base + S * STAGE, empty = full + 8 * S;  // mbarriers of stage s at + 8·s
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nkb = k / kFp8Block;
     const int m0 = blockIdx.y * kWgRows * WG, n0 = blockIdx.x * kTileN * H, groups = n / group_n, group = n0 / group_n;

@@ -64,8 +64,9 @@ __global__ void __launch_bounds__(kW8Threads, 1)
     constexpr int X_COPIES = kW8Rows * 8 / kW8Threads, W_COPIES = kW8Cols * (kW8K / 4) / kW8Threads;
     constexpr int STAGE = kW8XBytes + kW8RawBytes;  // a multiple of 1024
     extern __shared__ unsigned char smem_raw[];
-    const unsigned base = (smem_u32(smem_raw) + 1023) & ~1023u;
-    const unsigned char* stages = smem_raw + (base - smem_u32(smem_raw));  // generic address of base
+    const SmemBase aligned = smem_base_1024(smem_raw);
+    const unsigned base = aligned.addr;
+    const unsigned char* stages = aligned.ptr;  // generic address of base
 
     const int groups = gridDim.z, group = blockIdx.z, steps = k / kW8K;
     const int row0 = blockIdx.y * kW8Rows, col0 = blockIdx.x * kW8Cols;

@@ -35,8 +35,9 @@ __global__ void __launch_bounds__(256, 1) indexer_scores_wgmma(
     extern __shared__ unsigned char smem_raw[];
     __shared__ float2 cs[kRows][kDim / 2];
     __shared__ float weights[kRows][kHeads];
-    const unsigned base = (smem_u32(smem_raw) + 1023) & ~1023u;
-    unsigned char* tiles = smem_raw + (base - smem_u32(smem_raw));  // generic address of base
+    const SmemBase aligned = smem_base_1024(smem_raw);
+    const unsigned base = aligned.addr;
+    unsigned char* tiles = aligned.ptr;  // generic address of base
     const unsigned keys0 = base + kQBytes;   // Fp4Keys: the bf16 key tile, then the raw stages
     const unsigned raw0 = keys0 + kTileBytes;
     unsigned char* key_tile = tiles + kQBytes;

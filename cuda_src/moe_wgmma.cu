@@ -29,7 +29,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     constexpr int A_COPIES = kWgRows * 8 / kWgThreads, B_COPIES = kWgCols * 8 / kWgThreads;  // 16-byte copies a step
     constexpr int COLS = GATED ? kWgCols / 2 : kWgCols, STAGE = kWgABytes + kWgBBytes;
     extern __shared__ unsigned char smem_raw[];
-    const unsigned base = (smem_u32(smem_raw) + 1023) & ~1023u;
+    const unsigned base = smem_base_1024(smem_raw).addr;
 
     const int tile = blockIdx.y;
     if (tile >= tile_offsets[experts]) return;

@@ -65,8 +65,9 @@ __global__ void __launch_bounds__(kF8Threads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int COLS = GATED ? kF8Cols / 2 : kF8Cols;
     extern __shared__ unsigned char smem_raw[];
-    const unsigned base = (smem_u32(smem_raw) + 1023) & ~1023u;
-    unsigned char* stages = smem_raw + (base - smem_u32(smem_raw));  // generic address of base
+    const SmemBase aligned = smem_base_1024(smem_raw);
+    const unsigned base = aligned.addr;
+    unsigned char* stages = aligned.ptr;  // generic address of base
     const unsigned full = base + kF8Stages * kF8Stage, empty = full + 8 * kF8Stages;  // stage s's at + 8·s
 
     const int tile = blockIdx.y;
