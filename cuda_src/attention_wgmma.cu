@@ -24,7 +24,8 @@ constexpr int kWgaMiscBytes = 1024;  // row maxima, row sums of both warpgroups,
 static_assert(4 * kWgaHeads + 8 * kWgaHeads + 2 * kWgaKeys + 9 * 8 <= kWgaMiscBytes, "the launcher's 1024");
 static_assert(1024 + kWgaQBytes + 2 * kWgaTileBytes + 2 * kWgaPBytes + kWgaMiscBytes <= 227 * 1024,
               "a block's shared memory");
-constexpr int kWgaConsumerRegs = 216, kWgaProducerRegs = 80;  // 2·128·216 + 128·80 = 65536
+constexpr int kWgaConsumerRegs = 216, kWgaProducerRegs = 72;
+static_assert(fits_launch_registers(256, kWgaConsumerRegs, 128, kWgaProducerRegs), "setmaxnreg's budget");
 constexpr float kLog2e = 1.4426950408889634f;
 __device__ __forceinline__ float fast_exp2(float x) {  // 2^x, +0 at -inf
     float y;
@@ -207,6 +208,7 @@ sparse_attention_wgmma(__nv_bfloat16* out, const __nv_bfloat16* q, const int* po
                 if (!ahead && x + 1 < halves) issue(x + 1);
             }
         }
+        cp_async_commit();  // the bf16 path's copies are in no group yet: wait_group waits on committed ones
         cp_async_wait<0>();  // no copy outlives its thread
         return;
     }

@@ -32,7 +32,7 @@ constexpr int kWgmmaK = 32;    // e4m3 bytes of k one wgmma takes
 template <int WG, int H> constexpr int kStages = WG == 2 && H == 1 ? 6 : 4;
 template <int WG, int H> constexpr int kStageBytes = (kWgRows * WG + kTileN * H) * kFp8Block;
 // Threads: the consumer warpgroups and a producer warp; with two halves a whole producer warpgroup, which hands its
-// registers to the consumers (64 accumulators a half and the step's 64 products: 2·128·232 + 128·40 <= 65536).
+// registers to the consumers (64 accumulators a half and the step's 64 products).
 template <int WG, int H> constexpr int kThreads = H == 2 ? 128 * WG + 128 : 128 * WG + 32;
 constexpr int kConsumerRegs = 232, kProducerRegs = 40;
 
@@ -40,6 +40,7 @@ constexpr int kConsumerRegs = 232, kProducerRegs = 40;
 struct alignas(64) TensorMap { unsigned long long opaque[16]; };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+static_assert(fits_launch_registers(256, kConsumerRegs, 128, kProducerRegs), "setmaxnreg's budget");
 // rows row.. and columns col.. of the map's tensor into shared memory at dst; bar counts the bytes
 __device__ __forceinline__ void tma_load(unsigned dst, const TensorMap& map, int col, int row, unsigned bar) {
     asm volatile(
@@ -61,6 +62,7 @@ __global__ void __launch_bounds__(kThreads<WG, H>, 3 - WG)
     fp8_prefill_gemm(const __grid_constant__ TensorMap x_map, const __grid_constant__ TensorMap w_map, OutT* y,
                      const unsigned char* x_scale, const unsigned char* w_scale, int m, int n, int k, int x_box_rows,
                      int group_n) {
+    static_assert(H == 1 || WG == 2, "256-column blocks hand the producer's registers to two warpgroups");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int S = kStages<WG, H>, A_BYTES = kWgRows * WG * kFp8Block, STAGE = kStageBytes<WG, H>;
     extern __shared__ unsigned char shared[];

@@ -4,8 +4,9 @@
 
 // hc_pre's projections (docs/model.md#hyper-connections) for prefill steps of the bf16 build, on the tensor cores:
 // x [T, K] (K = hc·D bf16 columns) against fn [R, K] float32, R = (2 + hc)·hc. Each fn value enters as three bf16
-// terms whose sum is the value exactly (split_bf16x3), so with x already bf16 every m16n8k16 product is exact: only
-// the order of the float32 sums differs from a float32 matmul. Block (b, s) takes tokens 64b .. 64b + 63 over the
+// terms whose sum is the value exactly (split_bf16x3), so with x already bf16 every m16n8k16 product is exact: what
+// differs from a float32 matmul is the tensor cores' float32 accumulation (each k16 group aligned to its largest
+// term) and its order. Block (b, s) takes tokens 64b .. 64b + 63 over the
 // columns of k tiles [s·per_slice, (s + 1)·per_slice) of 64, warp w its 16 tokens; the tiles come by cp.async in
 // kPmStages stages. It writes partial [T][slices][R + 1] (fn's rows, then the sum of squares of x), which
 // hc_pre_finish (hc.cu) adds up in slice order, as it does hc_pre_decode's.

@@ -23,7 +23,7 @@ constexpr int kF8Rows = 128, kF8Cols = 128, kF8K = 128, kF8Stages = 4, kF8Ahead 
 // two consumer and two producer warpgroups; the producers hand registers to the consumers (64 fp32 sums and a step's
 // 64 products a thread)
 constexpr int kF8Producers = 256, kF8Threads = 256 + kF8Producers, kF8ConsumerRegs = 160, kF8ProducerRegs = 96;
-static_assert(256 * kF8ConsumerRegs + kF8Producers * kF8ProducerRegs <= 65536, "a multiprocessor's registers");
+static_assert(fits_launch_registers(256, kF8ConsumerRegs, kF8Producers, kF8ProducerRegs), "setmaxnreg's budget");
 // a stage: a rows and widened weight rows (128-byte swizzled), packed weight rows, their 4 scale bytes (once for
 // each of the two producer threads of a row) and each row's exponent as a float
 constexpr int kF8ABytes = kF8Rows * kF8K, kF8BBytes = kF8Cols * kF8K, kF8Packed = kF8Cols * kF8K / 2;

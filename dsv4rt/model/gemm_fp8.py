@@ -65,13 +65,15 @@ def fp8_gemm(device: Device, x_q: int, x_scale: int, w: int, w_scale: int, y: in
         raise ValueError("the prefill fp8 GEMM needs x_q and w 16-byte aligned and y aligned to two elements")
     if warpgroups not in (None, 1, 2):
         raise ValueError(f"warpgroups must be 1 or 2, got {warpgroups}")
+    if halves not in (None, 1, 2):
+        raise ValueError(f"halves must be 1 or 2, got {halves}")
     if halves == 2 and (warpgroups == 1 or (group_n != n and group_n % (2 * TILE_N))):
         raise ValueError("256-column blocks need two warpgroups and column groups of a multiple of 256")
     if m == 0:
         return NOTHING
     if device.arch != WGMMA_ARCH:
         raise RuntimeError(f"the prefill fp8 GEMM runs on {WGMMA_ARCH} (wgmma) only, this device is {device.arch}")
-    groups = warpgroups or warpgroups_for(m, n, device.sm_count)
+    groups = warpgroups or (2 if halves == 2 else warpgroups_for(m, n, device.sm_count))
     halves = halves or halves_for(m, n, group_n, groups, device.sm_count)
     box_rows = min(WARPGROUP_ROWS * groups, m)  # a box within the tensor: rows past it stay stale, unstored
     kernel = device.kernel("gemm_fp8", f"fp8_prefill_gemm<{storage_name(out_dtype)},{groups},{halves}>",

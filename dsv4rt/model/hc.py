@@ -140,7 +140,8 @@ def pre(device: Device, dtype, u: int, post: int, comb: int, x: int, fn: int, ba
         raise ValueError("act_quant of the normed input (xq, xs) needs xn")
     if tokens == 0:
         return NOTHING
-    quantise = [fp8.act_quant(device, dtype, xq, xs, xn, tokens, dim)] if xq else []
+    def quantise() -> list[Launch]:
+        return [fp8.act_quant(device, dtype, xq, xs, xn, tokens, dim)] if xq else []
     args = _p(u, post, comb, x, fn, base, scale) + [ctypes.c_int(tokens), ctypes.c_int(dim), ctypes.c_float(eps),
                                                     ctypes.c_float(hc_eps), ctypes.c_int(iters)]
     if tokens <= decode_tokens(device.sm_count):
@@ -155,8 +156,8 @@ def pre(device: Device, dtype, u: int, post: int, comb: int, x: int, fn: int, ba
         args += [*_p(xn, norm), ctypes.c_float(norm_eps), *_p(workspace, workspace + COUNTER_BYTES),
                  ctypes.c_int(cols), ctypes.c_int(finishers), *_p(*(fused_post or (0, 0, 0, 0)))]
         launch = _kernel(device, "hc_pre_decode", dtype, hc, group).bind((slices, groups), DECODE_THREADS, args)
-        return LaunchSequence(launch, *quantise) if quantise else launch
-    if projects_on_mma(dtype, hc, dim):
+        return LaunchSequence(launch, *quantise()) if xq else launch
+    if projects_on_mma(dtype, hc, dim) and x % 16 == 0 and fn % 16 == 0:   # cp.async of 16 bytes
         # The projections on the tensor cores, the rest (Sinkhorn, u, the norm) one token a block as the decode
         # finishers do it; the CUDA-core projection below reads the streams twice and holds 32 tokens a block.
         if not workspace:
@@ -167,19 +168,20 @@ def pre(device: Device, dtype, u: int, post: int, comb: int, x: int, fn: int, ba
         shared = PROJECT_STAGES * (PROJECT_TOKENS * PROJECT_K * 2 + r * (PROJECT_K + 8) * 4)
         project = device.kernel("hc_mma", f"hc_project_mma<{hc}>", declared("hc_mma"))
         project.allow_shared(shared)
-        inside = quantise and dim % fp8.BLOCK == 0 and all(p % 16 == 0 for p in (x, u, xn, norm))  # chunked rows
+        inside = (xq and xq % 8 == 0 and dim % fp8.BLOCK == 0       # chunked rows, 8-byte code stores
+                  and all(p % 16 == 0 for p in (x, u, xn, norm)))
         finish = _kernel(device, "hc_pre_finish", dtype, hc).bind(tokens, DECODE_THREADS, [
             *_p(u, post, comb, x, base, scale), ctypes.c_int(dim), ctypes.c_float(eps), ctypes.c_float(hc_eps),
             ctypes.c_int(iters), *_p(xn, norm), ctypes.c_float(norm_eps), *_p(partial), ctypes.c_int(slices),
             *(_p(xq, xs) if inside else _p(0, 0))])
         return LaunchSequence(project.bind((blocks, slices), PROJECT_THREADS, [
             *_p(partial, x, fn), ctypes.c_int(tokens), ctypes.c_int(hc * dim), ctypes.c_int(per_slice)],
-            shared=shared), finish, *([] if inside else quantise))
+            shared=shared), finish, *([] if inside else quantise()))
     g = _groups(device, tokens)
     launch = _kernel(device, "hc_pre", dtype, hc).bind(-(-tokens // (g * TOK)), (THREADS // g, g), args)
     if not xn:
         return launch
-    return LaunchSequence(launch, ops.rmsnorm(device, dtype, xn, u, norm, tokens, dim, norm_eps), *quantise)
+    return LaunchSequence(launch, ops.rmsnorm(device, dtype, xn, u, norm, tokens, dim, norm_eps), *quantise())
 
 
 def head(device: Device, dtype, y: int, x: int, fn: int, base: int, scale: int, tokens: int, hc: int, dim: int,

@@ -112,7 +112,7 @@ def fp8_experts(device: Device, out: int, a: int, a_scale: int, first: tuple[int
         raise ValueError(f"the fp8 expert GEMM needs n and k multiples of {FP8_MULTIPLE}, got n {n}, k {k}")
     if gated and (perm is None or weight is None):
         raise ValueError("the gated GEMM scales its rows by their routing weight[perm[row]]")
-    if not tiles:
+    if not tiles or not n:
         return NOTHING
     fn = device.kernel("moe_wgmma_fp8", f"moe_fp8_wgmma<{'true' if gated else 'false'}>", declared("moe_wgmma_fp8"))
     fn.allow_shared(FP8_SHARED)
