@@ -227,8 +227,9 @@ sparse_attention_wgmma(__nv_bfloat16* out, const __nv_bfloat16* q, const int* po
 #pragma unroll
     for (int i = 0; i < 2; ++i) {  // the sink enters as a key of value zero: max sink, sum 1, counted once
         const int h = row_a + 8 * i;
-        mx[i] = h < block_heads ? sink[h0 + h] * kLog2e : 0.f;
-        l[i] = wg == 0 && l4 == 0 ? 1.f : 0.f;
+        const float sk = h < block_heads ? sink[h0 + h] * kLog2e : 0.f;
+        mx[i] = fmaxf(sk, -3.402823466e38f);  // finite, so that no rescale below is exp2(-inf - -inf)
+        l[i] = wg == 0 && l4 == 0 && sk != neg_inf() ? 1.f : 0.f;
     }
     // S (+)= q · Kᵀ over half h of this warpgroup's tile (warpgroup 0 scores the low half first, 1 the high half:
     // their order of arrival), left in flight.
