@@ -137,7 +137,7 @@ def test_pre_decode_batches_take_the_decode_kernel(rt):
              (16, "hc_pre_decode<__nv_bfloat16,4,16>", (128, 1)), (64, "hc_pre_decode<__nv_bfloat16,4,16>", (32, 4)),
              (4 * rt.device.sm_count + 1, "hc_pre<float,4>", None)]
     for tokens, name, grid in cases:
-        dtype = np.float32 if "float" in name else BF16
+        dtype = np.float32 if name.startswith("hc_pre<float") else BF16
         launch = k.pre(rt.device, dtype, 0, 0, 0, 0, 0, 0, 0, tokens, 4, 4096, EPS, HC_EPS, ITERS, workspace=1 << 20)
         assert launch.kernel.name == name, (tokens, launch.kernel.name)
         assert grid is None or launch.grid[:2] == grid, (tokens, launch.grid)
