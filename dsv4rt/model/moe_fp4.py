@@ -162,6 +162,8 @@ class Fp4MoE:
             at["xq"], at["xs"] = x_quantized
         self.dims, self.scratch = d, at
         self.path = path or fp4_path(device.arch, dtype, d)
+        if self.path == "wgmma" and storage_name(dtype) != "__nv_bfloat16":
+            raise ValueError("the fp8 expert GEMMs write bf16 rows: the wgmma path needs the bf16 build")
         self.tile_rows = WGMMA_ROWS if self.path == "wgmma" else TILE_ROWS
         launches = route_and_sort(device, blas, dtype, d, at, x, gate, scaling, self.tile_rows, bias=bias,
                                   tid2eid=tid2eid, ids=ids)
