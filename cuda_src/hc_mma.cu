@@ -72,8 +72,13 @@ __global__ void __launch_bounds__(kPmThreads) hc_project_mma(float* partial, con
                 unsigned b0[3], b1[3];
                 split_bf16x3(row[0], row[1], b0);
                 split_bf16x3(row[8], row[9], b1);
+                // the three terms smallest first into fresh sums, then one float32 add: an mma aligns its terms to
+                // the largest before it adds, so added straight onto acc the small terms would lose their bits
+                float t[4] = {};
 #pragma unroll
-                for (int p = 0; p < 3; ++p) mma<Mma::bf16>(acc[n], a[0], a[1], a[2], a[3], b0[p], b1[p]);
+                for (int p = 2; p >= 0; --p) mma<Mma::bf16>(t, a[0], a[1], a[2], a[3], b0[p], b1[p]);
+#pragma unroll
+                for (int c = 0; c < 4; ++c) acc[n][c] += t[c];
             }
         }
     }
