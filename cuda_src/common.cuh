@@ -194,6 +194,15 @@ __device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_u32(smem)), "l"(gmem));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Warp-specialised kernels (setmaxnreg, wgmma.cuh): setmaxnreg.inc waits until the block's pool holds what it asks
+// for, and the pool is what the block was launched with: ptxas gives a kernel that uses it the most
+// __launch_bounds__(threads, 1) allows, 65536 / threads rounded down to 8 a thread (168 at 384 threads). Asking for
+// more than that waits for ever. Here, not in wgmma.cuh, so that the kernels' asserts hold on every arch.
+__host__ __device__ constexpr bool fits_launch_registers(int consumers, int consumer_regs, int producers,
+                                                         int producer_regs) {
+    const int threads = consumers + producers;
+    return consumers * consumer_regs + producers * producer_regs <= threads * (65536 / threads / 8 * 8);
+}
 // Wait until at most N committed groups are still in flight.
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }

@@ -62,14 +62,6 @@ __device__ __forceinline__ void bar_sync(int id, int count) {
 
 // A warpgroup's register budget for the rest of the kernel (warp-specialised kernels: producers give registers
 // back, consumers take them). Every warp of the warpgroup executes it.
-// setmaxnreg.inc waits until the block's pool holds what it asks for, and the pool is what the block was launched
-// with: ptxas gives a kernel that uses it the most __launch_bounds__(threads, 1) allows, 65536 / threads rounded
-// down to 8 a thread (168 at 384 threads). Asking for more than that waits for ever.
-__host__ __device__ constexpr bool fits_launch_registers(int consumers, int consumer_regs, int producers,
-                                                         int producer_regs) {
-    const int threads = consumers + producers;
-    return consumers * consumer_regs + producers * producer_regs <= threads * (65536 / threads / 8 * 8);
-}
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
 template <int N>
