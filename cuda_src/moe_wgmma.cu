@@ -47,8 +47,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     bool b_ok[B_COPIES];
 #pragma unroll
     for (int i = 0; i < B_COPIES; ++i)
-        b_src[i] = reinterpret_cast<const T*>(tile_weight_row<GATED>(w_first, w_second, e, copy_row + 32 * i, col0, n,
-                                                                     k * sizeof(T), b_ok[i])) + part * 8;
+        b_src[i] = reinterpret_cast<const T*>(
+            tile_weight_row<GATED>(w_first, w_second, e, copy_row + 32 * i, col0, n, 2 * k, b_ok[i]) + 16 * part);
     const unsigned copy_at = swizzled(copy_row, part);
     const int steps = k / kWgK;
     auto load = [&](int step) {  // always commits a group, empty past the last step, so that the waits count alike
