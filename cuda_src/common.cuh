@@ -186,10 +186,6 @@ __device__ __forceinline__ void cp_async4_or_zero(unsigned smem, const void* gme
 __device__ __forceinline__ void cp_async4_or_zero(void* smem, const void* gmem, bool valid) {
     cp_async4_or_zero(smem_u32(smem), gmem, valid);
 }
-// 8 bytes of gmem (8-byte aligned), or 8 zero bytes and no read when !valid; smem as a shared-window address.
-__device__ __forceinline__ void cp_async8_or_zero(unsigned smem, const void* gmem, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem), "l"(gmem), "r"(valid ? 8 : 0));
-}
 __device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_u32(smem)), "l"(gmem));
 }

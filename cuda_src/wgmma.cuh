@@ -45,21 +45,6 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
     } while (!done);
 }
 
-// The cp.async copies this thread issued so far arrive on bar once they land; the arrival counts toward the
-// barrier's expected count (noinc). A consumer fences (fence_proxy_async) after its wait before wgmma reads them.
-__device__ __forceinline__ void mbar_arrive_on_copies(unsigned bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
-}
-
-// Named barrier id (1 .. 15) of `count` threads: arrive marks this warp's arrival and goes on, sync also waits
-// for the rest. Memory accesses before either are visible to the threads that sync after the barrier completes.
-__device__ __forceinline__ void bar_arrive(int id, int count) {
-    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void bar_sync(int id, int count) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
-}
-
 // A warpgroup's register budget for the rest of the kernel (warp-specialised kernels: producers give registers
 // back, consumers take them). Every warp of the warpgroup executes it.
 template <int N>
@@ -92,19 +77,6 @@ __device__ __forceinline__ void wgmma_bf16_m64n256k16(float (&d)[128], unsigned 
         "}, %128, %129, p, 1, 1, 0, %131;\n}"
         : DSV4RT_D32(0), DSV4RT_D32(32), DSV4RT_D32(64), DSV4RT_D32(96)
         : "l"(a), "l"(b), "r"(accumulate), "n"(TransB));
-}
-
-// wgmma_bf16_m64n256k16 at n = 64 (b 64 x 16, K-major).
-__device__ __forceinline__ void wgmma_bf16_m64n64k16(float (&d)[32], unsigned long long a, unsigned long long b,
-                                                     int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
-        "%23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, %32, %33, p, 1, 1, 0, 0;\n}"
-        : DSV4RT_D32(0)
-        : "l"(a), "l"(b), "r"(accumulate));
 }
 
 // wgmma_bf16_m64n256k16 at n = 32 (b 32 x 16, K-major).

@@ -9,7 +9,7 @@ import numpy as np
 from ..cuda.build import WGMMA_ARCH
 from ..cuda.device import Device, Launch
 from ..cuda.ops import storage_name
-from ..kv.entries import kv_entry_bytes, packed_kv
+from ..kv.entries import kv_entry_bytes, packed_kv, packed_kv_bytes
 from .paged import LaunchSequence, PagedCache
 
 MAX_HEAD_DIM = 512             # kMaxHeadDim: a warp keeps one head row in registers
@@ -22,9 +22,7 @@ MQA_HEADS = 64                 # kMqaHeads of attention_mqa.cu: the heads of one
 MQA_KEYS = 32                  # kMqaKeys: keys per shared-memory tile
 MQA_THREADS = 256              # kMqaWarps * 32
 WGMMA_HEAD_DIM = 512           # kWgaHd of attention_wgmma.cu (Flash and Pro)
-WGMMA_ROPE_DIM = 64            # kWgaRd
 WGMMA_KEYS = 64                # kWgaKeys: keys per shared-memory tile
-WGMMA_THREADS = 384            # kWgaThreads: two consumer warpgroups and a producer
 
 _QKV = tuple(f"qkv_norm_rope_insert<{t}{f}>" for f in ("", ",true") for t in ("float", "__nv_bfloat16"))
 _ATTENTION = (*(f"{k}<{t}>" for k in ("sparse_attention", "attention_combine") for t in ("float", "__nv_bfloat16")),
@@ -121,7 +119,7 @@ def sparse_attention_mqa(device: Device, dtype, out: int, q: int, positions: int
     mma.sync (P rounded to bf16). Same arguments, outputs, workspace layout and merge (attention_combine);
     pick `splits` with attention_mqa_splits and size the workspace for them. fp8_kv: packed entries are
     dequantised (exactly) into the shared-memory key tiles. On Hopper, a launch without splits at head_dim 512
-    runs the wgmma kernel instead (same results up to the order of the sums), at rope_dim 64."""
+    runs the wgmma kernel instead (same results up to the order of the sums)."""
     return _attention(True, device, dtype, out, q, positions, req, sink, inv_freq, window, compressed, selected,
                       rows, heads, head_dim, rope_dim, window_size, ratio, top_k, splits, workspace, fp8_kv, step_kv)
 
@@ -146,7 +144,7 @@ def _attention(mqa: bool, device, dtype, out, q, positions, req, sink, inv_freq,
     t = storage_name(dtype)
     packed = packed_kv(dtype, fp8_kv)
     cmp = compressed or PagedCache(0, 0, 0, 1, 16)
-    if mqa and wgmma_attention(device.arch, head_dim, rope_dim, splits):
+    if mqa and wgmma_attention(device.arch, head_dim, splits):
         return _attention_wgmma(device, out, q, positions, req, sink, inv_freq, window, cmp, selected, rows, heads,
                                 head_dim, rope_dim, window_size, ratio if compressed else 0, top_k, packed, step_kv)
     part_o = workspace if splits > 1 else 0
@@ -179,10 +177,9 @@ def _attention(mqa: bool, device, dtype, out, q, positions, req, sink, inv_freq,
     return LaunchSequence(main, combine)
 
 
-def wgmma_attention(arch: str, head_dim: int, rope_dim: int, splits: int) -> bool:
-    """Whether sparse_attention_mqa runs attention_wgmma.cu: Hopper, head_dim 512 of which 64 rope dims (the fp8
-    entry's layout is compiled in), a block per row."""
-    return arch == WGMMA_ARCH and head_dim == WGMMA_HEAD_DIM and rope_dim == WGMMA_ROPE_DIM and splits <= 1
+def wgmma_attention(arch: str, head_dim: int, splits: int) -> bool:
+    """Whether sparse_attention_mqa runs attention_wgmma.cu: Hopper, head_dim 512, a block per row."""
+    return arch == WGMMA_ARCH and head_dim == WGMMA_HEAD_DIM and splits <= 1
 
 
 def _attention_wgmma(device, out, q, positions, req, sink, inv_freq, window, cmp, selected, rows, heads, head_dim,
@@ -193,16 +190,17 @@ def _attention_wgmma(device, out, q, positions, req, sink, inv_freq, window, cmp
             ctypes.c_int(heads), ctypes.c_int(rope_dim), ctypes.c_float(np.float32(head_dim ** -0.5)),
             ctypes.c_void_p(step_kv)]
     kernel = device.kernel("attention_wgmma", f"sparse_attention_wgmma<{'true' if packed else 'false'}>", _WGMMA)
-    shared = attention_wgmma_shared_bytes(head_dim)
+    shared = attention_wgmma_shared_bytes(head_dim, rope_dim, packed)
     kernel.allow_shared(shared)
-    return kernel.bind((rows, -(-heads // MQA_HEADS)), WGMMA_THREADS, args, shared=shared)
+    return kernel.bind((rows, -(-heads // MQA_HEADS)), MQA_THREADS, args, shared=shared)
 
 
-def attention_wgmma_shared_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of sparse_attention_wgmma: 1024 to align, q, two key tiles (fp8 entries are widened in
-    them), two P tiles, 1024 of row statistics, key flags and mbarriers."""
-    tiles = MQA_HEADS * head_dim * 2 + 2 * WGMMA_KEYS * head_dim * 2 + 2 * MQA_HEADS * WGMMA_KEYS * 2
-    return 1024 + tiles + 1024
+def attention_wgmma_shared_bytes(head_dim: int, rope_dim: int, packed: bool) -> int:
+    """Dynamic shared memory of sparse_attention_wgmma: 1024 to align, q, key tiles (two; packed: one, and two
+    encoded ones), P, row statistics."""
+    tile = WGMMA_KEYS * head_dim * 2
+    encoded = 2 * WGMMA_KEYS * packed_kv_bytes(head_dim, rope_dim) if packed else 0
+    return 1024 + MQA_HEADS * head_dim * 2 + (1 if packed else 2) * tile + MQA_HEADS * WGMMA_KEYS * 2 + 512 + encoded
 
 
 def attention_mqa_shared_bytes(dtype, head_dim: int, rope_dim: int, fp8_kv: bool = False) -> int:
