@@ -5,8 +5,8 @@ cuBLAS bf16 matrix rate).
 usage: python bench/kernels.py [--batches 1,8,64] [--contexts 4096,65536] [--reps 20] [--only moe,hc_pre]
     [--prefill 8192]
 (--only: the kernels whose names start with one of these prefixes.) The MoE rows also run at a prefill step of
---prefill tokens, where the grouped GEMMs take the tensor cores (moe_wgmma.cu, and moe_mma.cu beside it), and so do prefill attention and
-the indexer, their step ending at each context.
+--prefill tokens, where the grouped GEMMs take the tensor cores (moe_wgmma.cu, and moe_mma.cu beside it; the released
+formats' experts moe_wgmma_fp8.cu), and so do prefill attention and the indexer, their step ending at each context.
 Bytes count each input read once and each output written once (METHOD.md). Weights and caches hold
 random values tiled from one random block; expert weights a constant (12.9 GB of them).
 Prints a table and writes bench/results/kernels.json.
@@ -27,6 +27,7 @@ from dsv4rt.cuda.runtime import Runtime
 from dsv4rt.model import attention as attn_k, compress as comp_k, fp8 as fp8_k, gemm_fp8, hc as hc_k
 from dsv4rt.model.gemm import Blas, grouped_linear, linear
 from dsv4rt.model.moe import ExpertWeights, MoE, MoeDims, pointer_table, workspace_bytes
+from dsv4rt.kv.entries import indexer_entry_bytes, packed_kv_bytes
 from dsv4rt.model.paged import PagedCache
 from dsv4rt.model.sample import sample
 
@@ -285,6 +286,48 @@ def moe(b: Bench, blas: Blas, B: int):
     experts.free()
 
 
+def moe_released(b: Bench, blas: Blas, B: int):
+    """The MoE layer on the released formats (moe_fp4.Fp4MoE) at a prefill step of B tokens, and its routed expert
+    GEMMs alone (moe_fp8_wgmma on sm_90a): packed e2m1 experts of constant codes and scales, an e4m3 shared expert."""
+    from dsv4rt.model.moe_fp4 import Fp4Experts, Fp4MoE, Fp8Expert, workspace_bytes as fp4_workspace
+    rng = np.random.default_rng(B + 1)
+    xh = (rng.standard_normal((B, D)) * 0.5).astype(BF16)
+    gate_h = (rng.standard_normal((E, D)) / np.sqrt(D)).astype(BF16)
+    bias_h = (0.1 * rng.standard_normal(E)).astype(np.float32)
+    packed, scales = INTER * D // 2, INTER * D // 32  # bytes of one matrix and of its scales
+    experts, expert_scales = b.rt.arena.alloc(E * 3 * packed), b.rt.arena.alloc(E * 3 * scales)
+    check(drv().cuMemsetD8Async(experts.ptr, 0x2A, E * 3 * packed, b.st.handle))  # codes 1.0 and -1.0
+    check(drv().cuMemsetD8Async(expert_scales.ptr, 120, E * 3 * scales, b.st.handle))
+    tables = [pointer_table(b.rt.arena, [base.ptr + (3 * e + m) * size for e in range(E)])
+              for base, size in ((experts, packed), (expert_scales, scales)) for m in range(3)]
+    shared = b.rt.arena.alloc(3 * INTER * D + 3 * (INTER // 128) * (D // 128))
+    check(drv().cuMemsetD8Async(shared.ptr, 0x30, 3 * INTER * D, b.st.handle))  # e4m3 0.5
+    check(drv().cuMemsetD8Async(shared.ptr + 3 * INTER * D, 120, 3 * (INTER // 128) * (D // 128), b.st.handle))
+    s_at = [shared.ptr + m * INTER * D for m in range(3)] + \
+        [shared.ptr + 3 * INTER * D + m * (INTER // 128) * (D // 128) for m in range(3)]
+    dims = MoeDims(B, D, INTER, E, K_ACT, INTER)
+    ws = b.rt.arena.alloc(fp4_workspace(dims, BF16))
+    x, y = b.host(xh), b.buf(B * D * BF16.itemsize, fill=False)
+    layer = Fp4MoE(b.dev, blas, BF16, dims, x=x.ptr, y=y.ptr, gate=b.host(gate_h).ptr,
+                   routed=Fp4Experts(*(t.ptr for t in tables)), shared=Fp8Expert(*s_at), scaling=1.5, limit=10.0,
+                   workspace=ws.ptr, bias=b.host(bias_h).ptr)
+    routed_flops = 2 * B * K_ACT * 3 * INTER * D
+    b.record(f"moe released top-6 ({layer.path})", B, 0, layer, E * 3 * (packed + scales), routed_flops +
+             2 * B * 3 * INTER * D)
+    grouped = [launch for launch in layer.launches if getattr(launch, "kernel", None) is not None
+               and launch.kernel.name.startswith("moe_fp8_wgmma")]
+    if grouped:
+        layer(b.st)  # leaves the sort in the workspace
+        name = "moe released grouped gemms (fp8)"
+        before = len(b.rows)
+        b.record(name, B, 0, lambda st: [launch(st) for launch in grouped], E * 3 * (packed + scales), routed_flops)
+        if len(b.rows) > before:
+            print(f"{name:34s} B={B:<5d} {b.rows[-1]['tflops']:7.1f} TFLOP/s = "
+                  f"{b.rows[-1]['tflops'] / FP8_DENSE_TFLOPS:.3f} of dense fp8 ({FP8_DENSE_TFLOPS:.0f})")
+    for z in (experts, expert_scales, shared, ws, x, y, *tables):
+        z.free()
+
+
 def per_context(b: Bench, B: int, C: int):
     T = BF16.itemsize
     rng = np.random.default_rng(C + B)
@@ -333,6 +376,32 @@ def per_context(b: Bench, B: int, C: int):
     b.record("indexer top-512", B, C, select, B * n4 * 4 + B * TOPK * 4)
 
 
+def hc_prefill(b: Bench, T: int):
+    """hc_pre with its norm over a prefill step of T tokens; the bytes it moves: the streams twice (projection, then
+    the finish), u and the normed input."""
+    E2 = BF16.itemsize
+    X, u, xn = b.buf(T * HC * D * E2), b.buf(T * D * E2, fill=False), b.buf(T * D * E2, fill=False)
+    fn = b.host(np.random.default_rng(1).standard_normal(((2 + HC) * HC, HC * D), np.float32) * 0.01)
+    w, base, scale = b.host(np.ones(D, np.float32)), b.host(np.zeros((2 + HC) * HC, np.float32)), \
+        b.host(np.ones(3, np.float32))
+    post, comb = b.buf(T * HC * 4, fill=False), b.buf(T * HC * HC * 4, fill=False)
+    ws = b.host(np.zeros(hc_k.pre_workspace_bytes(T, HC, D), np.uint8))
+    run = hc_k.pre(b.dev, BF16, u.ptr, post.ptr, comb.ptr, X.ptr, fn.ptr, base.ptr, scale.ptr, T, HC, D, 1e-6, 1e-6,
+                   20, xn=xn.ptr, norm=w.ptr, norm_eps=1e-6, workspace=ws.ptr)
+    b.record("hc_pre prefill +norm", T, 0, run, 2 * T * HC * D * E2 + 2 * T * D * E2, 2 * T * HC * D * (2 + HC) * HC)
+
+
+def fp8_entries(rng, n: int, hd: int, rd: int) -> np.ndarray:
+    """n faithful-mode KV entries (kv_entry layout: e4m3 codes, bf16 rope dims, e8m0 scales, padding) of random
+    values, none of them NaN."""
+    nope, size = hd - rd, packed_kv_bytes(hd, rd)
+    e = np.zeros((n, size), np.uint8)
+    e[:, :nope] = rng.integers(0, 0x7F, (n, nope)) | rng.integers(0, 2, (n, nope)) << 7   # 0x7f, 0xff: NaN
+    e[:, nope:nope + 2 * rd] = (rng.standard_normal((n, rd)) * 0.05).astype(BF16).view(np.uint8)
+    e[:, nope + 2 * rd:nope + 2 * rd + -(-nope // 64)] = rng.integers(120, 128, (n, -(-nope // 64)))
+    return e.reshape(-1)
+
+
 def per_prefill(b: Bench, T: int, C: int):
     """A prefill step of T tokens of one request, positions C − T … C − 1: sparse attention (the tensor-core
     kernel; the step's own window keys from its rows, earlier ones from the cache) per layer kind, and the
@@ -361,6 +430,22 @@ def per_prefill(b: Bench, T: int, C: int):
                                           ratio=ratio, top_k=TOPK if chosen else 0, step_kv=rows.ptr)
         b.record(f"attention prefill {mode}", T, C, run, int(keys.sum()) * HD * E2 + 2 * T * H * HD * E2,
                  4 * H * HD * float(keys.sum()))
+    # the faithful build's 584-byte entries (e4m3 nope dims, bf16 rope dims, scales), widened on their way in
+    E8 = packed_kv_bytes(HD, RD)
+    rows8 = b.buf(T * E8)
+    window8, pool_w = paged(b, 1, C, 64, E8, held_from=max(0, C - T - W + 1) // 64)
+    c4a8, pool_4 = paged(b, 1, n4, 64, E8)
+    c128a8, pool_128 = paged(b, 1, max(1, n128), 2, E8)
+    for buf in (rows8, pool_w, pool_4, pool_128):   # entries as the cache holds them: no NaN codes, scales near 1
+        buf.copy_from_host(fp8_entries(rng, buf.nbytes // E8, HD, RD))
+    for mode, cache, chosen, ratio, keys in (
+            ("c4a", c4a8, b.host(sel).ptr, 4, window_keys + np.minimum(visible4, TOPK)),
+            ("c128a", c128a8, None, 128, window_keys + visible128), ("sliding", None, None, 0, window_keys)):
+        run = attn_k.sparse_attention_mqa(b.dev, BF16, o.ptr, q.ptr, pos.ptr, req.ptr, sink.ptr, inv.ptr, window8,
+                                          cache, chosen, rows=T, heads=H, head_dim=HD, rope_dim=RD, window_size=W,
+                                          ratio=ratio, top_k=TOPK if chosen else 0, fp8_kv=True, step_kv=rows8.ptr)
+        b.record(f"attention prefill fp8 {mode}", T, C, run, int(keys.sum()) * E8 + 2 * T * H * HD * E2,
+                 4 * H * HD * float(keys.sum()))
     keys_cache, _ = paged(b, 1, n4, 64, DI * E2)
     qi, wi = b.buf(T * NI * DI * E2), b.host(rng.standard_normal((T, NI)).astype(np.float32))
     scores, out = b.buf(T * n4 * 4, fill=False), b.buf(T * TOPK * 4, fill=False)
@@ -371,6 +456,14 @@ def per_prefill(b: Bench, T: int, C: int):
     score, select = run.launches
     b.record("indexer prefill scores", T, C, score, scored * (DI * E2 + 4), 2 * scored * NI * DI)
     b.record("indexer prefill top-512", T, C, select, scored * 4 + T * TOPK * 4)
+    # faithful numerics: q rotated and rounded in place, then scores over 68-byte packed keys
+    E4 = indexer_entry_bytes(BF16, DI, True)
+    keys4, _ = paged(b, 1, n4, 64, E4)
+    run = comp_k.indexer_select(b.dev, BF16, out.ptr, scores.ptr, qi.ptr, wi.ptr, keys4, pos.ptr, req.ptr, rows=T,
+                                heads=NI, head_dim=DI, topk=TOPK, n_max=n4, ratio=4, rope_dim=RD, fp4_keys=True)
+    rotate, score, _ = run.launches
+    b.record("indexer prefill fp4 q", T, C, rotate, 2 * T * NI * DI * E2)
+    b.record("indexer prefill fp4 scores", T, C, score, scored * (E4 + 4), 2 * scored * NI * DI)
 
 
 def main():
@@ -391,6 +484,10 @@ def main():
         fp8_prefill(b)
         if b.wants("moe"):
             moe(b, blas, a.prefill)
+        if b.wants("moe released"):
+            moe_released(b, blas, a.prefill)
+        if b.wants("hc_pre prefill"):
+            hc_prefill(b, a.prefill)
         for C in contexts if b.wants("attention prefill") or b.wants("indexer prefill") else []:
             per_prefill(b, a.prefill, max(C, a.prefill))
         for B in batches:

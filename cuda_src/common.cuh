@@ -19,6 +19,11 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 // Elements of T in one 16-byte access, the widest single load or store.
 template <typename T> constexpr int kVec = 16 / sizeof(T);
 
+// The raw bits of four consecutive T: one 16-byte (float) or 8-byte (bf16) load.
+template <typename T> struct Raw4Of { using type = uint2; };
+template <> struct Raw4Of<float> { using type = uint4; };
+template <typename T> using Raw4 = typename Raw4Of<T>::type;
+
 __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<unsigned long long>(p) & 15) == 0; }
 
 // N elements from a 16-byte aligned p, converted to float.
@@ -139,6 +144,22 @@ __device__ __forceinline__ float sigmoid(float x) { return 0.5f * (1.f + tanhf(0
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
+// The byte offset of 16-byte chunk `chunk` of row `row` in a tile of 128-byte rows in the 128-byte swizzle (TMA's
+// mode, and wgmma's operand layout): chunk c of row r at c ^ (r % 8), so that ldmatrix and the rows' copies meet
+// no bank conflicts.
+__device__ __forceinline__ unsigned swizzled(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+
+// The dynamic shared memory raw from its first 1024-byte boundary (the 128-byte swizzle's period): the shared-window
+// address and the generic pointer of the same byte. Launchers allow 1024 bytes more for it.
+struct SmemBase {
+    unsigned addr;
+    unsigned char* ptr;
+};
+__device__ __forceinline__ SmemBase smem_base_1024(unsigned char* raw) {
+    const unsigned addr = (smem_u32(raw) + 1023) & ~1023u;
+    return {addr, raw + (addr - smem_u32(raw))};
+}
+
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
@@ -169,6 +190,15 @@ __device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_u32(smem)), "l"(gmem));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Warp-specialised kernels (setmaxnreg, wgmma.cuh): setmaxnreg.inc waits until the block's pool holds what it asks
+// for, and the pool is what the block was launched with: ptxas gives a kernel that uses it the most
+// __launch_bounds__(threads, 1) allows, 65536 / threads rounded down to 8 a thread (168 at 384 threads). Asking for
+// more than that waits for ever. Here, not in wgmma.cuh, so that the kernels' asserts hold on every arch.
+__host__ __device__ constexpr bool fits_launch_registers(int consumers, int consumer_regs, int producers,
+                                                         int producer_regs) {
+    const int threads = consumers + producers;
+    return consumers * consumer_regs + producers * producer_regs <= threads * (65536 / threads / 8 * 8);
+}
 // Wait until at most N committed groups are still in flight.
 template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }

@@ -16,20 +16,17 @@ template <typename T> struct alignas(4 * sizeof(T)) Quad { T e[4]; };
 
 // reference.quant.act_quant per row and block of 128 columns (the last may be shorter): s (act_scale_byte) and the
 // codes e4m3(x / s) (act_codes), infinities and finite values above 448 of a non-finite block saturating to ±448,
-// NaN staying NaN. Written as bytes when q is given, q [rows, k] the codes and scale [rows, ceil(k/128)] the e8m0
-// bytes of s; as values when rounded is given, rounded [rows, k] = e4m3(x / s) · s, exact in T (the input of the
-// tensor-core GEMMs that widen both operands to bf16; it may be x). One warp per block of a row, four columns a lane.
+// NaN staying NaN: q [rows, k] the codes and scale [rows, ceil(k/128)] the e8m0 bytes of s. One warp per block of a
+// row, four columns a lane.
 template <typename T>
-__global__ void __launch_bounds__(256) act_quant(unsigned char* q, unsigned char* scale, T* rounded, const T* x,
-                                                 int rows, int k) {
+__global__ void __launch_bounds__(256) act_quant(unsigned char* q, unsigned char* scale, const T* x, int rows, int k) {
     const int lane = threadIdx.x & 31, nkb = (k + kFp8Block - 1) / kFp8Block;
     const long long task = static_cast<long long>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (task >= static_cast<long long>(rows) * nkb) return;  // whole warps
     const int row = static_cast<int>(task / nkb), kb = static_cast<int>(task % nkb), col = kb * kFp8Block + 4 * lane;
     const size_t at = static_cast<size_t>(row) * k + col;
     const auto aligned = [](const void* p, unsigned n) { return reinterpret_cast<unsigned long long>(p) % n == 0; };
-    const bool vec = k % 4 == 0 && col < k && aligned(x, sizeof(Quad<T>)) && aligned(q, 4) &&
-                     aligned(rounded, sizeof(Quad<T>));
+    const bool vec = k % 4 == 0 && col < k && aligned(x, sizeof(Quad<T>)) && aligned(q, 4);
     float v[4];
     if (vec) {
         const Quad<T> quad = *reinterpret_cast<const Quad<T>*>(x + at);
@@ -47,33 +44,15 @@ __global__ void __launch_bounds__(256) act_quant(unsigned char* q, unsigned char
     const unsigned byte = act_scale_byte(amax, __all_sync(0xffffffffu, finite));
     const float inv = e8m0_value(254u - byte);
     const unsigned short codes[2] = {act_codes(v[0], v[1], inv), act_codes(v[2], v[3], inv)};
-    if (q != nullptr) {
-        const unsigned packed = codes[0] | static_cast<unsigned>(codes[1]) << 16;
-        if (vec) {
-            *reinterpret_cast<unsigned*>(q + at) = packed;
-        } else {
+    const unsigned packed = codes[0] | static_cast<unsigned>(codes[1]) << 16;
+    if (vec) {
+        *reinterpret_cast<unsigned*>(q + at) = packed;
+    } else {
 #pragma unroll
-            for (int i = 0; i < 4; ++i)
-                if (col + i < k) q[at + i] = static_cast<unsigned char>(packed >> (8 * i));
-        }
-        if (lane == 0) scale[static_cast<size_t>(row) * nkb + kb] = static_cast<unsigned char>(byte);
+        for (int i = 0; i < 4; ++i)
+            if (col + i < k) q[at + i] = static_cast<unsigned char>(packed >> (8 * i));
     }
-    if (rounded != nullptr) {
-        const float s = e8m0_value(byte);
-        Quad<T> r;
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const float2 e = e4m3x2_value(codes[i]);
-            r.e[2 * i] = from_float<T>(e.x * s), r.e[2 * i + 1] = from_float<T>(e.y * s);
-        }
-        if (vec) {
-            *reinterpret_cast<Quad<T>*>(rounded + at) = r;
-        } else {
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                if (col + i < k) rounded[at + i] = r.e[i];
-        }
-    }
+    if (lane == 0) scale[static_cast<size_t>(row) * nkb + kb] = static_cast<unsigned char>(byte);
 }
 
 // What a thread loads of activation row g for 16 consecutive weight bytes of k: 16 e4m3 bytes (one 16-byte
@@ -99,18 +78,11 @@ __device__ __forceinline__ void dot16(float (&d)[4], const uint4& w0, const uint
             if constexpr (sizeof(InT) == 2) {
                 mma<Mma::bf16>(d, a0, a1, a2, a3, word(a[q >> 1], 2 * (q & 1)), word(a[q >> 1], 2 * (q & 1) + 1));
             } else {
-                float v[4];
+                unsigned lo[3], hi[3];
+                split_bf16x3(__uint_as_float(word(a[q], 0)), __uint_as_float(word(a[q], 1)), lo);
+                split_bf16x3(__uint_as_float(word(a[q], 2)), __uint_as_float(word(a[q], 3)), hi);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) v[e] = __uint_as_float(word(a[q], e));
-#pragma unroll
-                for (int part = 0; part < 3; ++part) {
-                    const unsigned lo = bf16x2(v[0], v[1]), hi = bf16x2(v[2], v[3]);
-                    mma<Mma::bf16>(d, a0, a1, a2, a3, lo, hi);
-                    const unsigned taken[4] = {lo << 16, lo & 0xffff0000u, hi << 16, hi & 0xffff0000u};
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)  // an infinity goes whole into the first part
-                        v[e] = isfinite(v[e]) ? v[e] - __uint_as_float(taken[e]) : 0.f;
-                }
+                for (int part = 0; part < 3; ++part) mma<Mma::bf16>(d, a0, a1, a2, a3, lo[part], hi[part]);
             }
         }
     }

@@ -51,6 +51,41 @@ __device__ __forceinline__ uint4 e2m1x8_scaled(unsigned codes, __nv_bfloat162 sc
     return v;
 }
 
+// 2^e exactly; 0 below the float32 subnormals, inf above the range.
+__device__ __forceinline__ float pow2(int e) {
+    return e > 127     ? __int_as_float(0x7f800000)
+           : e >= -126 ? __int_as_float((e + 127) << 23)
+           : e >= -149 ? __int_as_float(1 << (e + 149))
+                       : 0.f;
+}
+
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned selector) {
+    unsigned d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+    return d;
+}
+
+// The e4m3 bytes of the e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0..7) times 2^e, e <= 6, a prmt table.
+// For e >= -5 every byte is a normal e4m3 whose exponent field moves with e: magnitude m >= 2 is m·4 + 8·(e + 6),
+// 0.5 is 8·(e + 6); below, the float products are rounded.
+__device__ __forceinline__ uint2 e2m1_table(int e) {
+    if (e >= -5) {
+        const unsigned b = 8 * (e + 6);
+        return make_uint2(0x0C080000u + b * 0x01010100u, 0x1C181410u + b * 0x01010101u);
+    }
+    const float f = pow2(e);
+    const auto two = [f](float a, float b) {
+        return static_cast<unsigned>(__nv_cvt_float2_to_fp8x2(make_float2(a * f, b * f), __NV_SATFINITE, __NV_E4M3));
+    };
+    return make_uint2(two(0.f, .5f) | two(1.f, 1.5f) << 16, two(2.f, 3.f) | two(4.f, 6.f) << 16);
+}
+
+// The four e2m1 codes in the low 16 bits of v (code i in bits 4i..4i+3) as four e4m3 bytes through the table; a sign
+// bit, moved to bit 2 of its selector, picks byte 0x80.
+__device__ __forceinline__ unsigned e2m1x4_to_e4m3(unsigned v, uint2 table) {
+    return prmt(table.x, table.y, v & 0x7777u) | prmt(0u, 0x80u, v >> 1 & 0x4444u);
+}
+
 // Two e4m3 codes (low byte first) exactly, NaN included.
 __device__ __forceinline__ float2 e4m3x2_value(unsigned short codes) {
     return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(codes, __NV_E4M3)));
@@ -99,6 +134,18 @@ __device__ __forceinline__ unsigned bf16x2(float lo, float hi) {
     return l | h << 16;
 }
 
+// Two floats as three bf16 pairs (lo in the low halves) that sum to them exactly, so that products of bf16 operands
+// with them are exact in fp32: each part rounds what the parts before it left, a remainder float32 holds exactly,
+// and the third has at most 8 significant bits left. An infinity goes whole into the first part.
+__device__ __forceinline__ void split_bf16x3(float lo, float hi, unsigned (&parts)[3]) {
+#pragma unroll
+    for (int p = 0; p < 3; ++p) {
+        parts[p] = bf16x2(lo, hi);
+        lo = isfinite(lo) ? lo - __uint_as_float(parts[p] << 16) : 0.f;
+        hi = isfinite(hi) ? hi - __uint_as_float(parts[p] & 0xffff0000u) : 0.f;
+    }
+}
+
 // act_quant's scale of a block (docs/numerics.md#act-quant) as its e8m0 byte: s = 2^ceil(log2(max(amax, 1e-4) / 448)),
 // the quotient rounded to float32 before its exponent is taken, as numpy does; 127 (s = 1) for a block holding NaN
 // or ±inf, as in the reference (frexp of a non-finite ratio gives exponent 0). The byte stays within [105, 247].
@@ -115,4 +162,28 @@ __device__ __forceinline__ unsigned short act_codes(float a, float b, float inv)
     if (!isnan(p.x)) p.x = fminf(fmaxf(p.x, -kE4m3Max), kE4m3Max);
     if (!isnan(p.y)) p.y = fminf(fmaxf(p.y, -kE4m3Max), kE4m3Max);
     return __nv_cvt_float2_to_fp8x2(p, __NV_SATFINITE, __NV_E4M3);
+}
+
+// act_quant of a row's 8 values at columns 8c .. 8c + 7 where the 16 lanes of a half warp hold the 16 chunks of a
+// 128-column block (c = 16b + lane % 16): codes to q[8c ..], the block's scale byte to s[c / 16] by its first lane.
+// Every lane of the half warp calls it; the same bytes as the act_quant kernel on these values.
+__device__ __forceinline__ void act_quant_chunk(const float (&v)[8], unsigned char* q, unsigned char* s, int c) {
+    const unsigned half = 0xffffu << (threadIdx.x & 16);
+    float amax = 0.f;
+    bool finite = true;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e])), finite &= isfinite(v[e]);
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) {  // fmaxf drops NaN: non-finite blocks are told apart by the flag
+        amax = fmaxf(amax, __shfl_xor_sync(half, amax, o));
+        finite &= __shfl_xor_sync(half, static_cast<int>(finite), o) != 0;
+    }
+    const unsigned byte = act_scale_byte(amax, finite);
+    const float inv = e8m0_value(254u - byte);
+    unsigned short codes[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) codes[e] = act_codes(v[2 * e], v[2 * e + 1], inv);
+    *reinterpret_cast<uint2*>(q + 8 * c) = make_uint2(codes[0] | static_cast<unsigned>(codes[1]) << 16,
+                                                      codes[2] | static_cast<unsigned>(codes[3]) << 16);
+    if ((c & 15) == 0) s[c >> 4] = static_cast<unsigned char>(byte);
 }

@@ -1,5 +1,6 @@
-// dsv4rt-instantiate: fp8_prefill_gemm<float,1> fp8_prefill_gemm<float,2>
-// dsv4rt-instantiate: fp8_prefill_gemm<__nv_bfloat16,1> fp8_prefill_gemm<__nv_bfloat16,2>
+// dsv4rt-instantiate: fp8_prefill_gemm<float,1,1> fp8_prefill_gemm<float,2,1> fp8_prefill_gemm<float,2,2>
+// dsv4rt-instantiate: fp8_prefill_gemm<__nv_bfloat16,1,1> fp8_prefill_gemm<__nv_bfloat16,2,1>
+// dsv4rt-instantiate: fp8_prefill_gemm<__nv_bfloat16,2,2>
 #include "common.cuh"
 #include "fp8.cuh"
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -13,73 +14,38 @@
 // (the fast numerics' output projection): the n columns fall into groups of group_n (a multiple of 128), group j
 // reading columns j·k.. of xq rows of (n / group_n)·k bytes and its scales likewise; group_n = n is one GEMM.
 //
-// A block owns 64·WG rows and 128 columns of y. A producer warp streams 128-column slices of both operands
+// A block owns 64·WG rows and 128·H columns of y. A producer warp streams 128-column slices of both operands
 // into a ring of shared-memory stages by TMA (128-byte swizzle); WG consumer warpgroups, 64 rows each, run
-// wgmma m64n128k32 e4m3 on them, each 128-column block into fresh fp32 registers, which they then scale
-// (x_scale of the row times w_scale of the block) into the accumulator, as DeepGEMM does: the tensor cores'
-// own fp8 accumulation is never trusted beyond 128 products. mbarriers pace the ring: `full` counts the TMA
-// bytes of a stage, `empty` the consumer warps done with it.
+// wgmma m64n128k32 e4m3 on them, each 128-column block of each of the H column halves into fresh fp32 registers,
+// which they then scale (x_scale of the row times w_scale of the block) into the accumulator, as DeepGEMM does: the
+// tensor cores' own fp8 accumulation is never trusted beyond 128 products. mbarriers pace the ring: `full` counts
+// the TMA bytes of a stage, `empty` the consumer warps done with it. Two halves (256 columns) read x once for twice
+// the products: a 128 x 128 block's 32 KB a k step at the fp8 rate outrun what L2 delivers to every SM at once.
 // wgmma exists on sm_90a alone; other targets compile a stub and the launcher refuses them.
 
 constexpr int kTileN = 128;    // columns of y a block owns: one row of weight scales
 constexpr int kWgRows = 64;    // rows of a consumer warpgroup (wgmma's m)
 constexpr int kWgmmaK = 32;    // e4m3 bytes of k one wgmma takes
 
-// Stages of a block: 6 of 32 KB with two warpgroups (one block a multiprocessor), 4 of 24 KB with one (two).
-template <int WG> constexpr int kStages = WG == 2 ? 6 : 4;
-template <int WG> constexpr int kStageBytes = (kWgRows * WG + kTileN) * kFp8Block;
+// Stages of a block: 4 of 48 KB with two warpgroups and two halves, 6 of 32 KB with two warpgroups and one (one
+// block a multiprocessor), 4 of 24 KB with one (two).
+template <int WG, int H> constexpr int kStages = WG == 2 && H == 1 ? 6 : 4;
+template <int WG, int H> constexpr int kStageBytes = (kWgRows * WG + kTileN * H) * kFp8Block;
+// Threads: the consumer warpgroups and a producer warp; with two halves a whole producer warpgroup, which hands its
+// registers to the consumers (64 accumulators a half and the step's 64 products).
+template <int WG, int H> constexpr int kThreads = H == 2 ? 128 * WG + 128 : 128 * WG + 32;
+constexpr int kConsumerRegs = 232, kProducerRegs = 40;
 
 // cuTensorMapEncodeTiled's opaque 128 bytes, passed by value.
 struct alignas(64) TensorMap { unsigned long long opaque[16]; };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-    unsigned done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
-
+static_assert(fits_launch_registers(256, kConsumerRegs, 128, kProducerRegs), "setmaxnreg's budget");
 // rows row.. and columns col.. of the map's tensor into shared memory at dst; bar counts the bytes
 __device__ __forceinline__ void tma_load(unsigned dst, const TensorMap& map, int col, int row, unsigned bar) {
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
         ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(col), "r"(row), "r"(bar) : "memory");
-}
-
-// d (+)= a · bᵀ, a 64 x 32 and b 128 x 32 e4m3 in shared memory; accumulate = 0 overwrites d.
-// d[4j + c]: row lane / 4 + 8·(c / 2) of the warp's 16, column 8j + 2·(lane % 4) + c % 2.
-__device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], unsigned long long a, unsigned long long b,
-                                                 int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
-        "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "
-        "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1;\n}"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-          "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
-          "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
-          "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
-          "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(a), "l"(b), "r"(accumulate));
 }
 
 __device__ __forceinline__ void store_pair(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
@@ -88,20 +54,22 @@ __device__ __forceinline__ void store_pair(__nv_bfloat16* p, float a, float b) {
 }
 #endif
 
-// x_map: xq [m, (n / group_n)·k] in boxes of min(64·WG, m) rows x 128 bytes; w_map: wq [n, k] in boxes of 128 x 128.
-// Rows of a stage past the box hold stale bytes: they only reach rows of y that are not stored.
-template <typename OutT, int WG>
-__global__ void __launch_bounds__(128 * WG + 32, 3 - WG)
+// x_map: xq [m, (n / group_n)·k] in boxes of min(64·WG, m) rows x 128 bytes; w_map: wq [n, k] in boxes of 128·H x
+// 128 (group_n a multiple of 128·H). Rows of a stage past the box hold stale bytes: they only reach rows of y that
+// are not stored; weight rows past n land as zeros (TMA's fill), their columns are not stored either.
+template <typename OutT, int WG, int H>
+__global__ void __launch_bounds__(kThreads<WG, H>, 3 - WG)
     fp8_prefill_gemm(const __grid_constant__ TensorMap x_map, const __grid_constant__ TensorMap w_map, OutT* y,
                      const unsigned char* x_scale, const unsigned char* w_scale, int m, int n, int k, int x_box_rows,
                      int group_n) {
+    static_assert(H == 1 || WG == 2, "256-column blocks hand the producer's registers to two warpgroups");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int S = kStages<WG>, A_BYTES = kWgRows * WG * kFp8Block, STAGE = kStageBytes<WG>;
+    constexpr int S = kStages<WG, H>, A_BYTES = kWgRows * WG * kFp8Block, STAGE = kStageBytes<WG, H>;
     extern __shared__ unsigned char shared[];
-    const unsigned base = (static_cast<unsigned>(__cvta_generic_to_shared(shared)) + 1023) & ~1023u;
+    const unsigned base = smem_base_1024(shared).addr;
     const unsigned full = base + S * STAGE, empty = full + 8 * S;  // mbarriers of stage s at + 8·s
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nkb = k / kFp8Block;
-    const int m0 = blockIdx.y * kWgRows * WG, n0 = blockIdx.x * kTileN, groups = n / group_n, group = n0 / group_n;
+    const int m0 = blockIdx.y * kWgRows * WG, n0 = blockIdx.x * kTileN * H, groups = n / group_n, group = n0 / group_n;
     if (threadIdx.x == 0) {
         for (int s = 0; s < S; ++s) {
             mbar_init(full + 8 * s, 1);
@@ -112,11 +80,12 @@ __global__ void __launch_bounds__(128 * WG + 32, 3 - WG)
     }
     __syncthreads();
 
-    if (warp == 4 * WG) {  // the producer warp, after the consumers so that their warpgroups are aligned
-        if (lane == 0) {
+    if (warp >= 4 * WG) {  // the producer warp, after the consumers so that their warpgroups are aligned
+        if constexpr (H == 2) setmaxnreg_dec<kProducerRegs>();
+        if (warp == 4 * WG && lane == 0) {
             asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(&x_map)) : "memory");
             asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(&w_map)) : "memory");
-            const unsigned bytes = x_box_rows * kFp8Block + kTileN * kFp8Block;
+            const unsigned bytes = x_box_rows * kFp8Block + kTileN * H * kFp8Block;
             for (int kb = 0; kb < nkb; ++kb) {
                 const int s = kb % S;
                 const unsigned stage = base + s * STAGE;
@@ -129,37 +98,53 @@ __global__ void __launch_bounds__(128 * WG + 32, 3 - WG)
         return;
     }
 
+    if constexpr (H == 2) setmaxnreg_inc<kConsumerRegs>();
     const int wg = warp >> 2, row = m0 + wg * kWgRows + 16 * (warp & 3) + (lane >> 2);  // rows row, row + 8
     const bool ok0 = row < m, ok1 = row + 8 < m;  // rows past m read row 0's scales and are not stored
     const unsigned char* xs0 = x_scale + (static_cast<size_t>(ok0 ? row : 0) * groups + group) * nkb;
     const unsigned char* xs1 = x_scale + (static_cast<size_t>(ok1 ? row + 8 : 0) * groups + group) * nkb;
-    const unsigned char* ws = w_scale + static_cast<size_t>(n0 / kFp8Block) * nkb;
-    float acc[64], part[64];
+    // the w_scale rows of the halves; a half past n reads the last row, and its columns are not stored
+    const unsigned char* ws[H];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    for (int h = 0; h < H; ++h) ws[h] = w_scale + static_cast<size_t>(min(n0 / kFp8Block + h, n / kFp8Block - 1)) * nkb;
+    float acc[H][64], part[64];
+#pragma unroll
+    for (int h = 0; h < H; ++h)
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[h][i] = 0.f;
     for (int kb = 0; kb < nkb; ++kb) {
         const int s = kb % S;
         const unsigned a = base + s * STAGE + wg * kWgRows * kFp8Block, b = base + s * STAGE + A_BYTES;
         // scale bytes loaded before the wait and used after the products: they land while the tensor cores work
-        const unsigned wb = __ldg(ws + kb), xb0 = __ldg(xs0 + kb), xb1 = __ldg(xs1 + kb);
+        unsigned wb[H];
+#pragma unroll
+        for (int h = 0; h < H; ++h) wb[h] = __ldg(ws[h] + kb);
+        const unsigned xb0 = __ldg(xs0 + kb), xb1 = __ldg(xs1 + kb);
         mbar_wait(full + 8 * s, (kb / S) & 1);
-        wgmma_fence();
 #pragma unroll
-        for (int ks = 0; ks < kFp8Block / kWgmmaK; ++ks)
-            wgmma_m64n128k32(part, smem_desc(a + ks * kWgmmaK), smem_desc(b + ks * kWgmmaK), ks);
-        wgmma_commit();
-        wgmma_wait<0>();
-        if (lane == 0) mbar_arrive(empty + 8 * s);
-        const float sw = e8m0_to_float(wb), s0 = e8m0_to_float(xb0) * sw, s1 = e8m0_to_float(xb1) * sw;
+        for (int h = 0; h < H; ++h) {
+            wgmma_fence();
 #pragma unroll
-        for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], i & 2 ? s1 : s0, acc[i]);
+            for (int ks = 0; ks < kFp8Block / kWgmmaK; ++ks)
+                wgmma_m64n128k32(part, smem_desc(a + ks * kWgmmaK), smem_desc(b + h * kTileN * kFp8Block + ks * kWgmmaK),
+                                 ks);
+            wgmma_commit();
+            wgmma_wait<0>();
+            if (h == H - 1 && lane == 0) mbar_arrive(empty + 8 * s);
+            const float sw = e8m0_to_float(wb[h]), s0 = e8m0_to_float(xb0) * sw, s1 = e8m0_to_float(xb1) * sw;
+#pragma unroll
+            for (int i = 0; i < 64; ++i) acc[h][i] = fmaf(part[i], i & 2 ? s1 : s0, acc[h][i]);
+        }
     }
 #pragma unroll
-    for (int j = 0; j < kTileN / 8; ++j) {
-        const int col = n0 + 8 * j + 2 * (lane & 3);
-        if (ok0) store_pair(y + static_cast<size_t>(row) * n + col, acc[4 * j], acc[4 * j + 1]);
-        if (ok1) store_pair(y + static_cast<size_t>(row + 8) * n + col, acc[4 * j + 2], acc[4 * j + 3]);
-    }
+    for (int h = 0; h < H; ++h)
+#pragma unroll
+        for (int j = 0; j < kTileN / 8; ++j) {
+            const int col = n0 + h * kTileN + 8 * j + 2 * (lane & 3);
+            if (col >= n) continue;
+            if (ok0) store_pair(y + static_cast<size_t>(row) * n + col, acc[h][4 * j], acc[h][4 * j + 1]);
+            if (ok1) store_pair(y + static_cast<size_t>(row + 8) * n + col, acc[h][4 * j + 2], acc[h][4 * j + 3]);
+        }
 #else
     __trap();
 #endif

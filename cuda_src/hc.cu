@@ -5,9 +5,11 @@
 // dsv4rt-instantiate: hc_pre_decode<__nv_bfloat16,2,1> hc_pre_decode<__nv_bfloat16,2,8>
 // dsv4rt-instantiate: hc_pre_decode<__nv_bfloat16,2,16> hc_pre_decode<__nv_bfloat16,4,1>
 // dsv4rt-instantiate: hc_pre_decode<__nv_bfloat16,4,8> hc_pre_decode<__nv_bfloat16,4,16>
+// dsv4rt-instantiate: hc_pre_finish<__nv_bfloat16,2> hc_pre_finish<__nv_bfloat16,4>
 // dsv4rt-instantiate: hc_head<float,2> hc_head<float,4> hc_head<__nv_bfloat16,2> hc_head<__nv_bfloat16,4>
 // dsv4rt-instantiate: hc_post<float,2> hc_post<float,4> hc_post<__nv_bfloat16,2> hc_post<__nv_bfloat16,4>
 #include "common.cuh"
+#include "fp8.cuh"
 
 // Manifold-constrained hyper-connections (docs/model.md#hyper-connections) on streams X [T, HC, D].
 // hc_pre and hc_head launch kHcThreads threads as (lanes, groups): each group of `lanes` threads
@@ -57,11 +59,6 @@ __device__ __forceinline__ void project_chunk(const T* x, const float* fn, int k
             for (int e = 0; e < N; ++e) acc[t][r] += xv[t][e] * w[e];
     }
 }
-
-// The raw bits of four consecutive T: one 16-byte (float) or 8-byte (bf16) load.
-template <typename T> struct Raw4Of { using type = uint2; };
-template <> struct Raw4Of<float> { using type = uint4; };
-template <typename T> using Raw4 = typename Raw4Of<T>::type;
 
 // The direct path above with fn staged through shared memory, for blocks of 8 one-warp groups: per tile of
 // 128 columns every fn value loaded from L2 feeds the block's 32 tokens, and lane l reads float4 l of each
@@ -525,11 +522,13 @@ __device__ __forceinline__ void load_kept(typename ChunkOf<T, W>::type (&xr)[kPr
 }
 
 // u[t] = Σ_j pre_j X[t, j] and, with xn, xn[t] = RMSNorm(u[t]) · norm_w, on the combining warps. The chunks load_kept
-// loaded stay in registers for the norm; chunks past them (long rows) are read again from u.
+// loaded stay in registers for the norm; chunks past them (long rows) are read again from u. With xq (bf16 chunks,
+// dim a multiple of 128) also act_quant(xn[t]): codes to xq, scale bytes to xs, as the act_quant kernel would.
 template <typename T, int HC, int W>
 __device__ __forceinline__ void combine_norm(T* u, T* xn, const T* xt, const float* norm_w, const float (&pre)[HC],
                                              const typename ChunkOf<T, W>::type (&xr)[kPreKeep][HC],
-                                             const float (&wr)[kPreKeep][W], int dim, float norm_eps) {
+                                             const float (&wr)[kPreKeep][W], int dim, float norm_eps,
+                                             unsigned char* xq = nullptr, unsigned char* xs = nullptr) {
     using Chunk = typename ChunkOf<T, W>::type;
     __shared__ float warp_sq[kPreCombiners / 32];
     const int tid = threadIdx.x, chunks = dim / W;
@@ -579,6 +578,8 @@ __device__ __forceinline__ void combine_norm(T* u, T* xn, const T* xt, const flo
 #pragma unroll
         for (int e = 0; e < W; ++e) ur[i][e] = ur[i][e] * inv_rms * wr[i][e];
         store_rounded<T, W>(xn + c * W, ur[i]);
+        if constexpr (W == 8)
+            if (xq != nullptr) act_quant_chunk(ur[i], xq, xs, c);
     }
     for (int c = tid + kPreCombiners * kPreKeep; c < chunks; c += kPreCombiners) {
         float a[W], g[W];
@@ -587,31 +588,110 @@ __device__ __forceinline__ void combine_norm(T* u, T* xn, const T* xt, const flo
 #pragma unroll
         for (int e = 0; e < W; ++e) a[e] = a[e] * inv_rms * g[e];
         store_rounded<T, W>(xn + c * W, a);
+        if constexpr (W == 8)
+            if (xq != nullptr) act_quant_chunk(a, xq, xs, c);
     }
 }
 
-// A finisher's part of hc_pre_decode: tokens role, role + finishers, ... of the batch. params holds base then scale.
-// Rows of 16-byte chunks (vec) have theirs loaded while the finisher waits, unless the other blocks write them (fused);
-// other rows go element by element.
+// Token t's finish from its partial sums [T][slices][R + 1] (fn's rows, then the squares): v, then post and the
+// Sinkhorn comb on the last warp while the combining warps write u and, with xn, xn. params holds base then scale.
+// Rows of 16-byte chunks (vec) come with the combining threads' chunks already loaded (load_kept: xr, wr); other rows
+// go element by element. Ends with a barrier.
 template <typename T, int HC>
-__device__ __forceinline__ void finish(int role, int finishers, bool last, int blocks, bool vec, bool fused, T* u,
-                                       float* post, float* comb, const T* x, const float* params, int tokens, int dim,
-                                       float eps, float hc_eps, int iters, T* xn, const float* norm_w, float norm_eps,
-                                       unsigned* counters, const float* partial, int slices) {
+__device__ __forceinline__ void finish_token(int t, bool vec, T* u, float* post, float* comb, const T* x,
+                                             const float* params, int dim, float eps, float hc_eps, int iters, T* xn,
+                                             const float* norm_w, float norm_eps, const float* partial, int slices,
+                                             const uint4 (&xr)[kPreKeep][HC], const float (&wr)[kPreKeep][kVec<T>],
+                                             unsigned char* xq = nullptr, unsigned char* xs = nullptr) {
     constexpr int R = (2 + HC) * HC, V = kVec<T>, BATCH = 16;  // BATCH: partial loads in flight per lane
     __shared__ float part[kPreWarps][32];
     __shared__ float v[R];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, K = HC * dim;
     const bool combines = warp < kPreWarps - 1;
+    const T* xt = x + static_cast<size_t>(t) * K;
+    // v: warp w adds the partials of slices w, w + kPreWarps, ... in order, then the warps' sums add in order.
+    float sum = 0.f;
+    if (lane <= R) {
+        const float* pt = partial + static_cast<size_t>(t) * slices * (R + 1) + lane;
+        for (int q0 = warp; q0 < slices; q0 += kPreWarps * BATCH) {
+            float got[BATCH];
+#pragma unroll
+            for (int b = 0; b < BATCH; ++b) {
+                const int q = q0 + kPreWarps * b;
+                got[b] = q < slices ? __ldcg(pt + static_cast<size_t>(q) * (R + 1)) : 0.f;
+            }
+#pragma unroll
+            for (int b = 0; b < BATCH; ++b) sum += got[b];
+        }
+    }
+    part[warp][lane] = sum;
+    __syncthreads();
+    if (tid < R) {
+        float a = 0.f, ss = 0.f;
+#pragma unroll
+        for (int w = 0; w < kPreWarps; ++w) a += part[w][tid], ss += part[w][R];
+        v[tid] = a * rsqrtf(ss / K + eps);
+    }
+    __syncthreads();
+    if (!combines) {
+        if (xn != nullptr) __syncthreads();  // combine_norm's barrier, before the Sinkhorn so that they overlap
+        if (lane < HC) {
+            const float p = params[R + 1] * v[HC + lane] + params[HC + lane];
+            post[static_cast<size_t>(t) * HC + lane] = 2.f * sigmoid(p);
+        }
+        if (lane == 0) {
+            float c[HC][HC];
+#pragma unroll
+            for (int i = 0; i < HC * HC; ++i)
+                c[i / HC][i % HC] = params[R + 2] * v[2 * HC + i] + params[2 * HC + i];
+            sinkhorn_thread<HC>(c, hc_eps, iters);
+#pragma unroll
+            for (int i = 0; i < HC * HC; ++i) comb[static_cast<size_t>(t) * HC * HC + i] = c[i / HC][i % HC];
+        }
+    } else {
+        float pre[HC];
+#pragma unroll
+        for (int j = 0; j < HC; ++j) pre[j] = sigmoid(params[R] * v[j] + params[j]) + hc_eps;
+        T* ut = u + static_cast<size_t>(t) * dim;
+        T* xnt = xn != nullptr ? xn + static_cast<size_t>(t) * dim : nullptr;
+        if (vec) {
+            combine_norm<T, HC, V>(ut, xnt, xt, norm_w, pre, xr, wr, dim, norm_eps,
+                                   xq != nullptr ? xq + static_cast<size_t>(t) * dim : nullptr,
+                                   xq != nullptr ? xs + static_cast<size_t>(t) * (dim / kFp8Block) : nullptr);
+        } else {
+            T xs[kPreKeep][HC];
+            float ws[kPreKeep][1];
+            load_kept<T, HC, 1>(xs, ws, xt, xn != nullptr ? norm_w : nullptr, dim);
+            combine_norm<T, HC, 1>(ut, xnt, xt, norm_w, pre, xs, ws, dim, norm_eps);
+        }
+    }
+    __syncthreads();  // part, v and the norm's sums are reused for the next token
+}
+
+// Whether a row's finish goes by 16-byte chunks.
+template <typename T>
+__device__ __forceinline__ bool chunked_rows(int dim, const T* x, const T* u, const T* xn, const float* norm_w) {
+    return dim % kVec<T> == 0 && aligned16(x) && aligned16(u) && (xn == nullptr || (aligned16(xn) && aligned16(norm_w)));
+}
+
+// A finisher's part of hc_pre_decode: tokens role, role + finishers, ... of the batch. Chunked rows have theirs
+// loaded while the finisher waits, unless the other blocks write them (fused).
+template <typename T, int HC>
+__device__ __forceinline__ void finish(int role, int finishers, bool last, int blocks, bool vec, bool fused, T* u,
+                                       float* post, float* comb, const T* x, const float* params, int tokens, int dim,
+                                       float eps, float hc_eps, int iters, T* xn, const float* norm_w, float norm_eps,
+                                       unsigned* counters, const float* partial, int slices) {
+    constexpr int V = kVec<T>;
+    const bool combines = (threadIdx.x >> 5) < kPreWarps - 1;
     const float* norm_wr = xn != nullptr ? norm_w : nullptr;
     unsigned left = 0;
     for (int t = role; t < tokens; t += finishers) {
-        const T* xt = x + static_cast<size_t>(t) * K;
+        const T* xt = x + static_cast<size_t>(t) * HC * dim;
         uint4 xr[kPreKeep][HC];
         float wr[kPreKeep][V];
         if (vec && combines && !fused) load_kept<T, HC, V>(xr, wr, xt, norm_wr, dim);
         if (t == role) {
-            if (tid == 0) {
+            if (threadIdx.x == 0) {
                 if (!last)
                     while (*reinterpret_cast<volatile unsigned*>(counters) < static_cast<unsigned>(blocks)) {}
                 __threadfence();
@@ -620,63 +700,31 @@ __device__ __forceinline__ void finish(int role, int finishers, bool last, int b
             __syncthreads();
         }
         if (vec && combines && fused) load_kept<T, HC, V>(xr, wr, xt, norm_wr, dim);
-        // v: warp w adds the partials of slices w, w + kPreWarps, ... in order, then the warps' sums add in order.
-        float sum = 0.f;
-        if (lane <= R) {
-            const float* pt = partial + static_cast<size_t>(t) * slices * (R + 1) + lane;
-            for (int q0 = warp; q0 < slices; q0 += kPreWarps * BATCH) {
-                float got[BATCH];
-#pragma unroll
-                for (int b = 0; b < BATCH; ++b) {
-                    const int q = q0 + kPreWarps * b;
-                    got[b] = q < slices ? __ldcg(pt + static_cast<size_t>(q) * (R + 1)) : 0.f;
-                }
-#pragma unroll
-                for (int b = 0; b < BATCH; ++b) sum += got[b];
-            }
-        }
-        part[warp][lane] = sum;
-        __syncthreads();
-        if (tid < R) {
-            float a = 0.f, ss = 0.f;
-#pragma unroll
-            for (int w = 0; w < kPreWarps; ++w) a += part[w][tid], ss += part[w][R];
-            v[tid] = a * rsqrtf(ss / K + eps);
-        }
-        __syncthreads();
-        if (!combines) {
-            if (xn != nullptr) __syncthreads();  // combine_norm's barrier, before the Sinkhorn so that they overlap
-            if (lane < HC) {
-                const float p = params[R + 1] * v[HC + lane] + params[HC + lane];
-                post[static_cast<size_t>(t) * HC + lane] = 2.f * sigmoid(p);
-            }
-            if (lane == 0) {
-                float c[HC][HC];
-#pragma unroll
-                for (int i = 0; i < HC * HC; ++i)
-                    c[i / HC][i % HC] = params[R + 2] * v[2 * HC + i] + params[2 * HC + i];
-                sinkhorn_thread<HC>(c, hc_eps, iters);
-#pragma unroll
-                for (int i = 0; i < HC * HC; ++i) comb[static_cast<size_t>(t) * HC * HC + i] = c[i / HC][i % HC];
-            }
-        } else {
-            float pre[HC];
-#pragma unroll
-            for (int j = 0; j < HC; ++j) pre[j] = sigmoid(params[R] * v[j] + params[j]) + hc_eps;
-            T* ut = u + static_cast<size_t>(t) * dim;
-            T* xnt = xn != nullptr ? xn + static_cast<size_t>(t) * dim : nullptr;
-            if (vec) {
-                combine_norm<T, HC, V>(ut, xnt, xt, norm_w, pre, xr, wr, dim, norm_eps);
-            } else {
-                T xs[kPreKeep][HC];
-                float ws[kPreKeep][1];
-                load_kept<T, HC, 1>(xs, ws, xt, norm_wr, dim);
-                combine_norm<T, HC, 1>(ut, xnt, xt, norm_w, pre, xs, ws, dim, norm_eps);
-            }
-        }
-        __syncthreads();  // part, v and the norm's sums are reused for the next token
+        finish_token<T, HC>(t, vec, u, post, comb, x, params, dim, eps, hc_eps, iters, xn, norm_w, norm_eps, partial,
+                            slices, xr, wr);
     }
-    if (tid == 0 && left == static_cast<unsigned>(finishers - 1)) counters[0] = counters[1] = 0;
+    if (threadIdx.x == 0 && left == static_cast<unsigned>(finishers - 1)) counters[0] = counters[1] = 0;
+}
+
+// Prefill steps of the bf16 build: token blockIdx.x's finish from hc_project_mma's partial sums (hc_mma.cu), which
+// the launch before wrote. xq, xs (or null): act_quant of xn [T, dim], dim a multiple of 128, chunked rows.
+template <typename T, int HC>
+__global__ void __launch_bounds__(kPreThreads, 2)
+    hc_pre_finish(T* u, float* post, float* comb, const T* x, const float* base, const float* scale, int dim,
+                  float eps, float hc_eps, int iters, T* xn, const float* norm_w, float norm_eps,
+                  const float* partial, int slices, unsigned char* xq, unsigned char* xs) {
+    constexpr int R = (2 + HC) * HC, V = kVec<T>;
+    __shared__ float params[R + 3];  // base, then scale
+    if (threadIdx.x < R + 3) params[threadIdx.x] = threadIdx.x < R ? base[threadIdx.x] : scale[threadIdx.x - R];
+    const int t = blockIdx.x;
+    const bool vec = chunked_rows(dim, x, u, xn, norm_w);
+    uint4 xr[kPreKeep][HC];
+    float wr[kPreKeep][V];
+    if (vec && (threadIdx.x >> 5) < kPreWarps - 1)
+        load_kept<T, HC, V>(xr, wr, x + static_cast<size_t>(t) * HC * dim, xn != nullptr ? norm_w : nullptr, dim);
+    __syncthreads();
+    finish_token<T, HC>(t, vec, u, post, comb, x, params, dim, eps, hc_eps, iters, xn, norm_w, norm_eps, partial,
+                        slices, xr, wr, xq, xs);
 }
 
 template <typename T, int HC, int NT>
@@ -729,8 +777,7 @@ __global__ void __launch_bounds__(kPreThreads, 1)
     if (ticket < blocks - finishers) return;
     const int role = ticket - (blocks - finishers);
     const bool last = ticket == blocks - 1;
-    const bool vec = dim % kVec<T> == 0 && aligned16(x) && aligned16(u) &&
-                     (xn == nullptr || (aligned16(xn) && aligned16(norm_w)));
+    const bool vec = chunked_rows(dim, x, u, xn, norm_w);
     finish<T, HC>(role, finishers, last, blocks, vec, f != nullptr, u, post, comb, x, params, tokens, dim, eps, hc_eps,
                   iters, xn, norm_w, norm_eps, counters, partial, slices);
 }

@@ -1,5 +1,5 @@
 // dsv4rt-instantiate: indexer_scores<float> indexer_scores<__nv_bfloat16> indexer_scores_mma<false> indexer_topk<8>
-// dsv4rt-instantiate: indexer_q_fp4<float> indexer_q_fp4<__nv_bfloat16> indexer_scores<float,true>
+// dsv4rt-instantiate: indexer_scores<float,true>
 // dsv4rt-instantiate: indexer_scores<__nv_bfloat16,true> indexer_scores_mma<true> indexer_topk<1>
 #include "compress.cuh"
 #include "indexer_fp4.cuh"
@@ -8,7 +8,7 @@
 // [rows, n_max], then an exact top-k per row. Row t is one query: req[t] (< 0: padding), pos[t];
 // it sees entries j < min((pos[t] + 1) / ratio, n_max) of its request's indexer-key cache.
 // Faithful numerics (Fp4Keys): the keys are indexer_fp4.cuh's packed entries, dequantised exactly into the
-// shared-memory key tiles, and indexer_q_fp4 has rotated and rounded q beforehand.
+// shared-memory key tiles, and indexer_q_fp4 (indexer_q.cu) has rotated and rounded q beforehand.
 
 constexpr int kHeads = 64;        // heads per block: n_heads ≤ 64, the missing ones weigh 0
 constexpr int kKeys = 64;         // keys per tile
@@ -26,15 +26,6 @@ __device__ __forceinline__ void load_or_zero(const T* p, bool valid, float* dst)
 #pragma unroll
     for (int i = 0; i < N; i += 4)
         *reinterpret_cast<float4*>(dst + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
-}
-
-// cos and sin of pos · inv_freq[k] for the rope_dim / 2 channel pairs, once per block (not per head).
-__device__ __forceinline__ void rope_table(float2* cs, const float* inv_freq, int rope_dim, int pos) {
-    for (int k = threadIdx.x; k < rope_dim / 2; k += blockDim.x) {
-        float s, c;
-        sincosf(static_cast<float>(pos) * inv_freq[k], &s, &c);
-        cs[k] = make_float2(c, s);
-    }
 }
 
 // score[t, j] = Σ_h w[t,h] · relu(q[t,h] · k[j]). q [rows, n_heads, dim] (T), roped here at pos[t] on
@@ -137,45 +128,6 @@ __global__ void __launch_bounds__(kScoreThreads, 2) indexer_scores(
             for (int g = 0; g < 16; ++g) s += partial[g][threadIdx.x];
             scores[static_cast<size_t>(t) * n_max + j0 + threadIdx.x] = s;
         }
-    }
-}
-
-// ---------------------------------------------------------------- faithful-mode queries
-
-constexpr int kQThreads = 256;  // a warp per head
-
-// q [rows, n_heads, dim] (T) in place, as reference.quant.indexer_round after the reference's RoPE: roped at pos[t]
-// on the last rope_dim channels when inv_freq is given, rotated, rounded onto e2m1 with a scale per 32 and stored
-// as values (exact in bf16). Rows with req < 0 are left alone. One block per row; dynamic shared memory: the rope
-// table, then hadamard_size(dim) floats per warp.
-template <typename T>
-__global__ void __launch_bounds__(kQThreads) indexer_q_fp4(T* q, const int* pos, const int* req,
-                                                           const float* inv_freq, int rope_dim, int n_heads, int dim) {
-    extern __shared__ __align__(16) float rows[];
-    const int t = blockIdx.x, lane = threadIdx.x & 31, n = hadamard_size(dim);
-    if (req[t] < 0) return;
-    float2* cs = reinterpret_cast<float2*>(rows);
-    float* x = rows + rope_dim + (threadIdx.x >> 5) * n;
-    if (inv_freq) rope_table(cs, inv_freq, rope_dim, pos[t]);
-    __syncthreads();
-    for (int h = threadIdx.x >> 5; h < n_heads; h += kQThreads / 32) {
-        T* head = q + (static_cast<size_t>(t) * n_heads + h) * dim;
-        for (int d = lane; d < n; d += 32) x[d] = d < dim ? to_float(head[d]) : 0.f;
-        __syncwarp();
-        if (inv_freq) {
-            for (int k = lane; k < rope_dim / 2; k += 32) {
-                float* p = x + dim - rope_dim + 2 * k;
-                const float ev = p[0], od = p[1];
-                p[0] = ev * cs[k].x - od * cs[k].y;
-                p[1] = od * cs[k].x + ev * cs[k].y;
-            }
-        }
-        hadamard_warp(x, n, lane);
-        for (int d0 = 0; d0 < dim; d0 += kFp4Block) {
-            const Fp4Value v = fp4_round(x, dim, n, d0 + lane);
-            if (d0 + lane < dim) head[d0 + lane] = from_float<T>(e2m1_value(v.code) * e8m0_value(v.scale));
-        }
-        __syncwarp();  // x is read before the next head overwrites it
     }
 }
 

@@ -1,5 +1,6 @@
-// dsv4rt-instantiate: indexer_scores_wgmma
+// dsv4rt-instantiate: indexer_scores_wgmma<false> indexer_scores_wgmma<true>
 #include "compress.cuh"
+#include "fp8.cuh"
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #include "wgmma.cuh"
 #endif
@@ -13,12 +14,19 @@
 // Rows of one block may belong to different requests (a step's chunks lie end to end): the block runs a pass per
 // request, storing only its rows. Same arguments as indexer_scores_mma less n_heads (64), plus rows; grid
 // (splits, ceil(rows / kRows)), 256 threads, dynamic shared memory kQBytes + kStages · kTileBytes + 1024.
+// Fp4Keys (faithful numerics: indexer_q_fp4 has rotated and rounded q in place): the 68-byte packed entries
+// (indexer_fp4.cuh, 4-byte aligned) stream into kStages raw tiles, and each is widened into the one bf16 key tile
+// (codes times their block's scale: exact in bf16) between two barriers; dynamic shared memory kQBytes + kTileBytes
+// + kStages · kRawBytes + 1024. A key then costs L2 68 bytes instead of 256.
 constexpr int kRows = 4, kHeads = 64, kDim = 128, kTileKeys = 128, kStages = 4;
 constexpr int kHalfBytes = kTileKeys * 128;              // one 64-dim half of a key tile: 128 rows of 128 bytes
 constexpr int kTileBytes = 2 * kHalfBytes;
 constexpr int kQHalfBytes = kRows * kHeads * 128;        // one 64-dim half of the q tile: 256 rows of 128 bytes
 constexpr int kQBytes = 2 * kQHalfBytes;
+constexpr int kEntryWords = kDim / 8 + 1;                // a packed entry: 16 words of codes, one of 4 scale bytes
+constexpr int kRawBytes = kTileKeys * kEntryWords * 4;
 
+template <bool Fp4Keys>
 __global__ void __launch_bounds__(256, 1) indexer_scores_wgmma(
         float* scores, const __nv_bfloat16* q, const float* w, char* key_base, const long long* key_pages,
         const int* page_start, int per_page, int entry_bytes, const int* pos, const int* req,
@@ -27,9 +35,12 @@ __global__ void __launch_bounds__(256, 1) indexer_scores_wgmma(
     extern __shared__ unsigned char smem_raw[];
     __shared__ float2 cs[kRows][kDim / 2];
     __shared__ float weights[kRows][kHeads];
-    const unsigned base = (smem_u32(smem_raw) + 1023) & ~1023u;
-    unsigned char* tiles = smem_raw + (base - smem_u32(smem_raw));  // generic address of base
-    const unsigned keys0 = base + kQBytes;
+    const SmemBase aligned = smem_base_1024(smem_raw);
+    const unsigned base = aligned.addr;
+    unsigned char* tiles = aligned.ptr;  // generic address of base
+    const unsigned keys0 = base + kQBytes;   // Fp4Keys: the bf16 key tile, then the raw stages
+    const unsigned raw0 = keys0 + kTileBytes;
+    unsigned char* key_tile = tiles + kQBytes;
     const int tid = threadIdx.x, t0 = blockIdx.y * kRows;
     int request[kRows], visible[kRows];
 #pragma unroll
@@ -91,16 +102,25 @@ __global__ void __launch_bounds__(256, 1) indexer_scores_wgmma(
         const int x = blockIdx.x;
         const int mine = x < n_tiles ? (n_tiles - x + gridDim.x - 1) / gridDim.x : 0;
         const long long* pages = key_pages + page_start[rq];
-        // thread t copies 64-dim half t % 2 of key row t / 2: eight 16-byte chunks
+        // thread t copies 64-dim half t % 2 of key row t / 2: eight 16-byte chunks (Fp4Keys: words 9h .. of the
+        // packed entry, nine or eight)
         auto issue = [&](int i) {
             if (i < mine) {
-                const int j = (blockIdx.x + i * gridDim.x) * kTileKeys + (tid >> 1);
+                const int j = (blockIdx.x + i * gridDim.x) * kTileKeys + (tid >> 1), h = tid & 1;
                 const bool valid = j < seen;
-                const char* src = valid ? paged_entry(key_base, pages, per_page, entry_bytes, j) + (tid & 1) * 128
-                                        : key_base;
-                const unsigned dst = keys0 + (i % kStages) * kTileBytes + (tid & 1) * kHalfBytes;
+                const char* entry = valid ? paged_entry(key_base, pages, per_page, entry_bytes, j) : key_base;
+                if constexpr (Fp4Keys) {
+                    const unsigned dst = raw0 + (i % kStages) * kRawBytes + (tid >> 1) * kEntryWords * 4;
 #pragma unroll
-                for (int c = 0; c < 8; ++c) cp_async16_or_zero(dst + swizzled(tid >> 1, c), src + 16 * c, valid);
+                    for (int c = 0; c < 9; ++c)
+                        if (9 * h + c < kEntryWords)
+                            cp_async4_or_zero(dst + 4 * (9 * h + c), entry + 4 * (9 * h + c), valid);
+                } else {
+                    const unsigned dst = keys0 + (i % kStages) * kTileBytes + h * kHalfBytes;
+#pragma unroll
+                    for (int c = 0; c < 8; ++c)
+                        cp_async16_or_zero(dst + swizzled(tid >> 1, c), entry + 128 * h + 16 * c, valid);
+                }
             }
             cp_async_commit();
         };
@@ -112,7 +132,20 @@ __global__ void __launch_bounds__(256, 1) indexer_scores_wgmma(
             fence_proxy_async();  // this thread's copies, and before the first tile its q stores
             __syncthreads();      // tile i landed for every thread; tile i - 1's wgmma is done, its stage free
             issue(i + kStages - 1);
-            const unsigned stage = keys0 + (i % kStages) * kTileBytes;
+            if constexpr (Fp4Keys) {  // thread t widens the half it copied the row of: 8 words, 2 scale blocks
+                const unsigned* raw = reinterpret_cast<const unsigned*>(tiles + (raw0 - base) + (i % kStages) * kRawBytes) +
+                                      (tid >> 1) * kEntryWords;
+                const unsigned scales = raw[kEntryWords - 1];
+#pragma unroll
+                for (int c = 0; c < 8; ++c) {
+                    const int block = 2 * (tid & 1) + c / 4;
+                    *reinterpret_cast<uint4*>(key_tile + (tid & 1) * kHalfBytes + swizzled(tid >> 1, c)) =
+                        e2m1x8_scaled(raw[8 * (tid & 1) + c], e8m0_bf16x2(scales >> 8 * block & 0xffu));
+                }
+                fence_proxy_async();
+                __syncthreads();  // the bf16 tile whole
+            }
+            const unsigned stage = Fp4Keys ? keys0 : keys0 + (i % kStages) * kTileBytes;
             wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < kDim / 16; ++ks) {

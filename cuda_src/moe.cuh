@@ -1,4 +1,5 @@
-// Row-tile addressing of the grouped expert GEMMs (moe.cu, moe_fp4.cu) over moe_sort's tile_offsets.
+// Row-tile addressing of the grouped expert GEMMs (moe.cu, moe_fp4.cu, the wgmma kernels) over moe_sort's
+// tile_offsets, and their gated epilogue.
 #pragma once
 
 // The expert of a row tile: the last one whose tiles start at or before it.
@@ -23,4 +24,34 @@ __device__ __forceinline__ void tile_sources(const T* (&src)[N], bool (&ok)[N], 
         ok[i] = r < row_end;
         src[i] = a + (ok[i] ? static_cast<size_t>(perm ? perm[r] / active : r) * k : 0) + col;
     }
+}
+
+// Weight row j of a tile of output columns from col0, in expert e's matrix of row_len elements of T a row (pointer
+// tables first, second): GATED interleaves w1 and w3 8 rows at a time, the layout gated_pair reads. Rows past n: ok
+// false, and the address of row 0. How the pointers are formed decides whether ptxas keeps them across the main loop
+// or recomputes each row's product every step: moe_gemm_wgmma's step grew by about 100 instructions and the kernel
+// by a quarter of its time when the length was a size_t and the chunk offset was added in T
+// (tests/test_kernel_facts.py counts the step).
+template <bool GATED, typename T = unsigned char>
+__device__ __forceinline__ const T* tile_weight_row(const unsigned long long* first, const unsigned long long* second,
+                                                    int e, int j, int col0, int n, int row_len, bool& ok) {
+    const int c = col0 + (GATED ? (j >> 4) * 8 + (j & 7) : j);
+    ok = c < n;
+    const unsigned long long* table = GATED && (j >> 3 & 1) ? second : first;
+    return reinterpret_cast<const T*>(table[e]) + (ok ? static_cast<size_t>(c) * row_len : 0);
+}
+
+// A gated tile's clamped SwiGLU times the routing weight `scale` for output columns 8p + 2·(lane % 4) and the next of
+// row h (0: lane / 4 of the warp's 16, 1: 8 below), from wgmma accumulators whose n8 block 2p holds w1 and block 2p + 1
+// w3 of output columns 8p..
+template <int N>
+__device__ __forceinline__ float2 gated_pair(const float (&acc)[N], int p, int h, float limit, float scale) {
+    float v[2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        const float gv = fminf(acc[8 * p + 2 * h + c], limit);
+        const float uv = fminf(fmaxf(acc[8 * p + 4 + 2 * h + c], -limit), limit);
+        v[c] = gv * sigmoid(gv) * uv * scale;
+    }
+    return make_float2(v[0], v[1]);
 }

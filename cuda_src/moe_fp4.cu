@@ -19,37 +19,6 @@ constexpr int kFp4Rows = 8;       // activation rows of a tile: the mma's n (moe
 constexpr int kFp4MaxWarps = 8;
 constexpr int kFp4InFlight = 4;   // weight 16-byte vectors a thread loads before it computes (per row pair)
 
-// 2^e exactly; 0 below the float32 subnormals, inf above the range.
-__device__ __forceinline__ float pow2(int e) {
-    return e > 127     ? __int_as_float(0x7f800000)
-           : e >= -126 ? __int_as_float((e + 127) << 23)
-           : e >= -149 ? __int_as_float(1 << (e + 149))
-                       : 0.f;
-}
-
-__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned selector) {
-    unsigned d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
-    return d;
-}
-
-// The e4m3 bytes of the e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0..7) times 2^e, a prmt table.
-__device__ __forceinline__ uint2 e2m1_table(int e) {
-    const float f = pow2(e);
-    const auto two = [f](float a, float b) {
-        return static_cast<unsigned>(__nv_cvt_float2_to_fp8x2(make_float2(a * f, b * f), __NV_SATFINITE, __NV_E4M3));
-    };
-    return make_uint2(two(0.f, .5f) | two(1.f, 1.5f) << 16, two(2.f, 3.f) | two(4.f, 6.f) << 16);
-}
-
-// The four e2m1 codes in the low 16 bits of v (code i in bits 4i..4i+3) as four e4m3 bytes through the table.
-__device__ __forceinline__ unsigned e2m1x4_to_e4m3(unsigned v, uint2 table) {
-    const unsigned magnitude = prmt(table.x, table.y, v & 0x7777u);
-    // a selector nibble with bit 3 set replicates the msb of its byte: byte 0x80 becomes 0xFF for negative codes
-    const unsigned sign = prmt(0x80u, 0u, v & 0x8888u);
-    return magnitude | ((sign << 7) & 0x80808080u);
-}
-
 // Grouped GEMM over the expert-sorted rows for decode tiles: out[r, c] = a_row(r) · W_e[c]ᵀ for the rows r of the
 // 8-row tile blockIdx.y (moe_sort with tile_rows 8; tiles past the total return at once) and 16 columns from
 // 16·blockIdx.x. a_row(r) is xq[perm[r] / active] when perm is given (tokens gathered on the fly), else xq[r];

@@ -47,12 +47,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     bool b_ok[B_COPIES];
 #pragma unroll
     for (int i = 0; i < B_COPIES; ++i) {
-        const int j = copy_row + 32 * i;
-        const bool second = GATED && (j >> 3 & 1);
-        const int c = col0 + (GATED ? (j >> 4) * 8 + (j & 7) : j);
-        const T* w = reinterpret_cast<const T*>((second ? w_second : w_first)[e]);
-        b_ok[i] = c < n;
-        b_src[i] = w + (b_ok[i] ? static_cast<size_t>(c) * k : 0) + part;
+        b_src[i] = tile_weight_row<GATED, T>(w_first, w_second, e, copy_row + 32 * i, col0, n, k, b_ok[i]) + part;
     }
     const unsigned sa_copy = smem_u32(sa + copy_row * kMmaStride + part);
     const unsigned sb_copy = smem_u32(sb + copy_row * kMmaStride + part);

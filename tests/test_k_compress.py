@@ -435,7 +435,7 @@ def test_indexer_prefill_step_on_wgmma(rt, rope_in_kernel):
     launched = []
     results = run_indexer(rt, BF16, reqs, topk=512, rope_dim=64, rope_in_kernel=rope_in_kernel, pad_rows=2,
                           launched=launched)
-    assert "indexer_scores_wgmma" in launched
+    assert "indexer_scores_wgmma<false>" in launched
     check_selection(results, 512, SCORE_TOL[BF16])
 
 

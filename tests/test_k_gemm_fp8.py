@@ -1,8 +1,9 @@
 """cuda_src/gemm_fp8.cu, the prefill fp8 GEMM (wgmma and TMA, sm_90a): against the faithful linear layer (numpy on
 the dequantised weight, reference.quant.act_quant on its input) at Flash and small shapes, both block heights, in a
-replayed graph; and, without a GPU, that its SASS runs on the tensor cores' GMMA instructions. Also linear_fp8's
-choice between it and fp8.skinny_gemm: Hopper's e4m3 wgmma keeps 13 mantissa bits of its sums, so only bf16 outputs
-take it, and a float32 build's fp8 linear layers match the reference's fp32 sums (the "mid" model's widths)."""
+replayed graph; and, without a GPU, that its SASS (and the fp8 expert kernel's) runs on the tensor cores' GMMA
+instructions. Also linear_fp8's choice between it and fp8.skinny_gemm: Hopper's e4m3 wgmma keeps 13 mantissa bits
+of its sums, so only bf16 outputs take it, and a float32 build's fp8 linear layers match the reference's fp32 sums
+(the "mid" model's widths)."""
 import functools
 import importlib.util
 import re
@@ -44,13 +45,17 @@ def activations(m: int, k: int) -> np.ndarray:
     return (rng.standard_normal((m, k)) * mag).astype(np.float32)
 
 
-def run_gemm(rt, dev, out_dtype, xq, xs, wq, ws, m, n, k, warpgroups, group_n=None):
+# (warpgroups, halves): 64-row blocks of 128 columns, 128-row ones of 128 and of 256 columns
+BLOCKS = [(1, 1), (2, 1), (2, 2)]
+
+
+def run_gemm(rt, dev, out_dtype, xq, xs, wq, ws, m, n, k, block, group_n=None):
     """y from the GPU; the rows of its last block past m are checked to keep their sentinel."""
     from dsv4rt.model import gemm_fp8
     rows = -(-m // 128) * 128
     dy = dev(np.full((rows, n), SENTINEL, out_dtype))
     gemm_fp8.fp8_gemm(rt.device, dev(xq).ptr, dev(xs).ptr, dev(wq).ptr, dev(ws).ptr, dy.ptr, m, n, k, out_dtype,
-                      warpgroups=warpgroups, group_n=group_n)(rt.stream)
+                      warpgroups=block[0], group_n=group_n, halves=block[1])(rt.stream)
     y = fetch(rt, dy, (rows, n), out_dtype).astype(np.float32)
     assert (y[m:] == SENTINEL).all(), "rows past m written"
     return y[:m]
@@ -64,9 +69,9 @@ def test_prefill_gemm_matches_the_faithful_linear(rt, dev, m, n, k):
     x = activations(m, k)
     xq, xs, _ = act_quant_bytes(x)
     want = quant.act_quant(x) @ w.T
-    errors = {(np.dtype(out).name, groups): rel_rows(run_gemm(rt, dev, out, xq, xs, wq, ws, m, n, k, groups),
-                                                     want).max()
-              for out in (np.float32, BF16) for groups in (1, 2)}
+    errors = {(np.dtype(out).name, block): rel_rows(run_gemm(rt, dev, out, xq, xs, wq, ws, m, n, k, block),
+                                                    want).max()
+              for out in (np.float32, BF16) for block in BLOCKS}
     assert max(errors.values()) < 1e-2, errors
 
 
@@ -80,9 +85,10 @@ def test_grouped_prefill_gemm_matches_the_fast_output_projection(rt, dev, m, gro
     xq, xs, rounded = act_quant_bytes(activations(m, groups * k).reshape(m * groups, k))
     rounded = rounded.reshape(m, groups, k)
     want = np.concatenate([rounded[:, j] @ w[j * n:(j + 1) * n].T for j in range(groups)], axis=1)
-    errors = {(np.dtype(out).name, wg): rel_rows(run_gemm(rt, dev, out, xq, xs, wq, ws, m, groups * n, k, wg,
-                                                          group_n=n), want).max()
-              for out in (np.float32, BF16) for wg in (1, 2)}
+    blocks = [b for b in BLOCKS if b[1] == 1 or n % 256 == 0]  # 256-column blocks within a group
+    errors = {(np.dtype(out).name, block): rel_rows(run_gemm(rt, dev, out, xq, xs, wq, ws, m, groups * n, k, block,
+                                                             group_n=n), want).max()
+              for out in (np.float32, BF16) for block in blocks}
     assert max(errors.values()) < 1e-2, errors
 
 
@@ -162,10 +168,16 @@ def test_prefill_gemm_refuses_misaligned_operands():
 
 
 def test_block_height_fills_the_multiprocessors_first():
-    from dsv4rt.model.gemm_fp8 import warpgroups_for
+    from dsv4rt.model.gemm_fp8 import halves_for, warpgroups_for
     assert warpgroups_for(128, 1024, 132) == 1     # 8 blocks of 128 rows: 16 of 64
     assert warpgroups_for(4096, 1024, 132) == 2    # 256 blocks of 128 rows
     assert warpgroups_for(1000, 32768, 132) == 2
+    assert halves_for(8192, 4096, 4096, 2, 132) == 2    # 64 x 16 blocks of 256 columns
+    assert halves_for(8192, 512, 512, 2, 132) == 1      # 64 x 2: too few, 64 x 4 of 128
+    assert halves_for(8192, 384, 384, 2, 132) == 1      # 64 x 2 again (the last half past n)
+    assert halves_for(8192, 8192, 1024, 2, 132) == 2    # groups of 1024: whole 256-column blocks
+    assert halves_for(8192, 3 * 384, 384, 2, 132) == 1  # a 256-column block would straddle two groups
+    assert halves_for(8192, 4096, 4096, 1, 132) == 1    # 64-row blocks take 128 columns
 
 
 def nvdisasm() -> str | None:
@@ -200,3 +212,18 @@ def test_prefill_kernels_run_on_gmma(tmp_path, monkeypatch):
     for symbol, body in bodies.items():
         assert len(re.findall(r"\bQGMMA\.64x128x32\.F32\.E4M3\.E4M3\b", body)) >= 4, symbol
         assert "UTMALDG.2D" in body, symbol
+        if "Li2ELi2E" in symbol:  # 256-column blocks: the producer warpgroup's registers go to the consumers
+            assert "USETMAXREG.DEALLOC" in body and "USETMAXREG.TRY_ALLOC" in body, symbol
+
+
+@pytest.mark.skipif(nvdisasm() is None, reason="no nvdisasm on PATH or in the nvidia wheels")
+def test_fp8_expert_kernels_run_on_qgmma(tmp_path, monkeypatch):
+    """The fp8 expert kernel (moe_wgmma_fp8.cu, the same e4m3 wgmma), both instantiations as dsv4rt builds them:
+    QGMMA kept asynchronous, registers moved from the producer warpgroups to the consumers, none in local memory."""
+    module, sass = kernel_sass(tmp_path, monkeypatch, "moe_wgmma_fp8")
+    bodies = dict(re.findall(r"//-+ \.text\.(\S+) -+\n(.*?)(?=//-+ \.text\.|\Z)", sass, re.S))
+    assert sorted(bodies) == sorted(module.lowered.values())
+    for symbol, body in bodies.items():
+        assert len(re.findall(r"\bQGMMA\.64x128x32\.F32\.E4M3\.E4M3\b", body)) == 4, symbol
+        assert "USETMAXREG.DEALLOC" in body and "USETMAXREG.TRY_ALLOC" in body, symbol
+        assert not re.search(r"\b(LDL|STL)\b", body), symbol

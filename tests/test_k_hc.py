@@ -103,15 +103,53 @@ def test_pre_with_norm_writes_the_normed_input(rt, dev, dtype, tokens, hc, dim):
     assert rel_rows(fetch(rt, dxn, u.astype(dtype)), rmsnorm(u, w, EPS)).max() < out_tol(dtype)
 
 
+@pytest.mark.parametrize("dtype, tokens, hc, dim", [(BF16, 7, 4, 4096), (BF16, 1100, 4, 4096), (BF16, 600, 2, 4992),
+                                                     (np.float32, 1100, 4, 4096), (BF16, 4500, 4, 100)])
+def test_pre_quantises_the_normed_input(rt, dev, dtype, tokens, hc, dim):
+    """With xq, xs: act_quant(xn) byte for byte as fp8.act_quant gives it, from inside the finish of bf16 prefill
+    steps (1100 and 600 tokens; 4992 columns: the kept chunks and the long rows' loop) and as a launch after the
+    others (decode, float32, 100 columns: the CUDA-core projection)."""
+    from dsv4rt.model import fp8, hc as k
+    rng = np.random.default_rng(tokens + dim + 1)
+    x = streams(rng, tokens, hc, dim, dtype)
+    fn, base, scale = mixing(rng, (2 + hc) * hc, hc, dim, 3)
+    w = rng.uniform(0.5, 1.5, dim).astype(np.float32)
+    du, dxn = dev(poison((tokens, dim), dtype)), dev(poison((tokens, dim), dtype))
+    cols = fp8.scale_columns(dim)
+    dq, ds = dev(np.full((tokens, dim), 0xAB, np.uint8)), dev(np.full((tokens, cols), 0xAB, np.uint8))
+    outs = [dev(poison((tokens, hc), np.float32)), dev(poison((tokens, hc, hc), np.float32))]
+    k.pre(rt.device, dtype, du.ptr, outs[0].ptr, outs[1].ptr, dev(x).ptr, dev(fn).ptr, dev(base).ptr, dev(scale).ptr,
+          tokens, hc, dim, EPS, HC_EPS, ITERS, xn=dxn.ptr, norm=dev(w).ptr, norm_eps=EPS,
+          workspace=workspace(dev, tokens, hc, dim).ptr, xq=dq.ptr, xs=ds.ptr)(rt.stream)
+    wq, ws = dev(np.zeros((tokens, dim), np.uint8)), dev(np.zeros((tokens, cols), np.uint8))
+    fp8.act_quant(rt.device, dtype, wq.ptr, ws.ptr, dxn.ptr, tokens, dim)(rt.stream)
+    rt.stream.synchronize()
+    for got, want, shape in ((dq, wq, (tokens, dim)), (ds, ws, (tokens, cols))):
+        assert np.array_equal(got.copy_to_host(np.empty(shape, np.uint8)), want.copy_to_host(np.empty(shape, np.uint8)))
+    with pytest.raises(ValueError, match="needs xn"):
+        k.pre(rt.device, dtype, du.ptr, outs[0].ptr, outs[1].ptr, 1, 2, 3, 4, tokens, hc, dim, EPS, HC_EPS, ITERS,
+              workspace=1, xq=dq.ptr, xs=ds.ptr)
+
+
 def test_pre_decode_batches_take_the_decode_kernel(rt):
     from dsv4rt.model import hc as k
     cases = [(1, "hc_pre_decode<__nv_bfloat16,4,1>", (128, 1)), (8, "hc_pre_decode<__nv_bfloat16,4,8>", (128, 1)),
              (16, "hc_pre_decode<__nv_bfloat16,4,16>", (128, 1)), (64, "hc_pre_decode<__nv_bfloat16,4,16>", (32, 4)),
-             (4 * rt.device.sm_count + 1, "hc_pre<__nv_bfloat16,4>", None)]
+             (4 * rt.device.sm_count + 1, "hc_pre<float,4>", None)]
     for tokens, name, grid in cases:
-        launch = k.pre(rt.device, BF16, 0, 0, 0, 0, 0, 0, 0, tokens, 4, 4096, EPS, HC_EPS, ITERS, workspace=1 << 20)
+        dtype = np.float32 if name.startswith("hc_pre<float") else BF16
+        launch = k.pre(rt.device, dtype, 0, 0, 0, 0, 0, 0, 0, tokens, 4, 4096, EPS, HC_EPS, ITERS, workspace=1 << 20)
         assert launch.kernel.name == name, (tokens, launch.kernel.name)
         assert grid is None or launch.grid[:2] == grid, (tokens, launch.grid)
+    # past them the bf16 build projects on the tensor cores (529 tokens: 9 blocks of 64, 256 k tiles in 29 slices
+    # of 9, about PROJECT_BLOCKS blocks) and finishes a token a block
+    tokens = 4 * rt.device.sm_count + 1
+    project, finish = k.pre(rt.device, BF16, 0, 0, 0, 0, 0, 0, 0, tokens, 4, 4096, EPS, HC_EPS, ITERS,
+                            workspace=1 << 20).launches
+    assert (project.kernel.name, finish.kernel.name) == ("hc_project_mma<4>", "hc_pre_finish<__nv_bfloat16,4>")
+    assert finish.grid[0] == tokens
+    if tokens == 529:
+        assert project.grid[:2] == (9, 29)
     with pytest.raises(ValueError, match="workspace"):
         k.pre(rt.device, BF16, 0, 0, 0, 0, 0, 0, 0, 1, 4, 4096, EPS, HC_EPS, ITERS)
 
@@ -223,17 +261,20 @@ def test_pre_flash_long_batch(rt, dev):
     tokens, hc, dim = 8192, 4, 4096
     got, ref, launch = run_pre(rt, dev, BF16, tokens, hc, dim, ITERS, 8)
     check_pre(got, ref, BF16)
-    ws = workspace(dev, 64, hc, dim)
+    ws = workspace(dev, tokens, hc, dim)
+    pointers = [dev(np.zeros(n, np.uint8)).ptr for n in (tokens * dim * 2, tokens * hc * 4, tokens * hc * hc * 4,
+                                                         tokens * hc * dim * 2, (2 + hc) * hc * hc * dim * 4,
+                                                         (2 + hc) * hc * 4, 12)]
     for n in (tokens, 4224, 4192, 1024, 64, 1):
-        again = k.pre(rt.device, BF16, *[a.value for a in launch.args[:7]], n, hc, dim, EPS, HC_EPS, ITERS,
-                      workspace=ws.ptr) if n < tokens else launch
+        again = k.pre(rt.device, BF16, *pointers, n, hc, dim, EPS, HC_EPS, ITERS, workspace=ws.ptr)
         start, end = Event(), Event()
         rt.stream.record(start)
         again(rt.stream)
         rt.stream.record(end)
         end.synchronize()
         ms = start.elapsed_ms(end)
-        print(f"\nhc_pre bf16 {n}x{hc}x{dim} block {again.block}: {ms * 1e3:.0f} us, "
+        kernels = " + ".join(l.kernel.name for l in getattr(again, "launches", [again]))
+        print(f"\nhc_pre bf16 {n}x{hc}x{dim} {kernels}: {ms * 1e3:.0f} us, "
               f"{n * (hc + 1) * dim * 2 / ms / 1e6:.0f} GB/s of streams in + u out")
 
 

@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, skip_without_wgmma
 from test_k_attention import PagedHost
 from test_k_compress import (PagePool, Uploads, check_selection, index_weights, indexer_reference, inv_freq_table,
                              page_table)
@@ -319,12 +319,13 @@ def make_request(rng, dtype, n_keys, positions, heads, dim, keys=None, x=None, q
 
 
 def run_fp4_indexer(rt, dtype, requests, *, topk, rope_dim, rope_in_kernel, pad_rows=0, spacing=0, seed=0,
-                    cache=None, freq=None, q_exact=False):
+                    cache=None, freq=None, q_exact=False, launched=None):
     """One indexer_select launch (fp4_keys) over the rows of every request, then poisoned padding rows. Keys: each
     request's packed entries (r["keys"]) in pages, `spacing` bytes apart beyond the entry, or `cache` (a PagedCache
     holding them). Checks the rotated, rounded q the kernel stores in place (exact: bit for bit); returns per
     request (selected rows, kernel scores, reference mask and float64 scores on the stored q and the decoded keys,
-    visible). freq: the rope table (the layer's by default)."""
+    visible). freq: the rope table (the layer's by default); the names of the kernels launched are appended to
+    `launched`."""
     rng = np.random.default_rng(seed)
     heads, dim = requests[0]["q"].shape[1:]
     freq = inv_freq_table(rope_dim) if freq is None else freq
@@ -362,9 +363,12 @@ def run_fp4_indexer(rt, dtype, requests, *, topk, rope_dim, rope_in_kernel, pad_
     d_scores = up(np.full((rows, n_max), np.nan, np.float32))
     d_q = up(np.vstack(q_in).astype(dtype))
     from dsv4rt.model.compress import indexer_select
-    indexer_select(rt.device, dtype, d_sel, d_scores, d_q, up(np.vstack(w)), cache, up(np.concatenate(pos)),
-                   up(np.concatenate(req)), rows=rows, heads=heads, head_dim=dim, topk=topk, n_max=n_max,
-                   inv_freq=up(freq) if rope_in_kernel else None, rope_dim=rope_dim, fp4_keys=True)(rt.stream)
+    launch = indexer_select(rt.device, dtype, d_sel, d_scores, d_q, up(np.vstack(w)), cache, up(np.concatenate(pos)),
+                            up(np.concatenate(req)), rows=rows, heads=heads, head_dim=dim, topk=topk, n_max=n_max,
+                            inv_freq=up(freq) if rope_in_kernel else None, rope_dim=rope_dim, fp4_keys=True)
+    launch(rt.stream)
+    if launched is not None:
+        launched += [k.kernel.name for k in launch.launches]
     sel = up.fetch(d_sel, np.empty((rows, topk), np.int32))
     scores = up.fetch(d_scores, np.empty((rows, n_max), np.float32))
     q_got = up.fetch(d_q, np.empty((rows, heads, dim), dtype)).astype(np.float32)
@@ -415,6 +419,24 @@ def test_indexer_fp4_flash_prefill_chunk(rt, dtype):
     req = make_request(rng, dtype, (p0 + n) // 4, np.arange(p0, p0 + n), 64, 128)
     results = run_fp4_indexer(rt, dtype, [req], topk=512, rope_dim=64, rope_in_kernel=False, spacing=4)
     check_selection(results, 512, SCORE_TOL[dtype])
+
+
+@gpu
+@pytest.mark.parametrize("spacing", [0, 8])
+def test_indexer_fp4_prefill_step_on_wgmma(rt, spacing):
+    """A bf16 step of two prefill chunks and a decode row, 403 + 301 + 1 rows and 2 of padding (the wgmma kernel on
+    sm_90a: its raw tiles of packed entries widened into the bf16 key tile), visible counts crossing k and the
+    128-key tiles; entries 68 bytes apart, or 76."""
+    skip_without_wgmma(rt)
+    rng = np.random.default_rng(35 + spacing)
+    reqs = [make_request(rng, BF16, 2303 // 4, np.arange(1900, 2303), 64, 128),
+            make_request(rng, BF16, 301 // 4, np.arange(0, 301), 64, 128),
+            make_request(rng, BF16, 3000, [4 * 3000 - 1], 64, 128)]
+    launched = []
+    results = run_fp4_indexer(rt, BF16, reqs, topk=512, rope_dim=64, rope_in_kernel=True, pad_rows=2,
+                              spacing=spacing, launched=launched)
+    assert "indexer_scores_wgmma<true>" in launched
+    check_selection(results, 512, SCORE_TOL[BF16])
 
 
 @gpu

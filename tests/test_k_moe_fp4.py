@@ -249,20 +249,55 @@ def test_graph_replay_on_new_tokens(rt, blas, flash):
 
 # --- prefill batches on wgmma -----------------------------------------------------------------------------------
 
-def test_act_quant_rounded_is_act_quant_dequantised(rt):
-    """Rows of 300 (a short last block), values over 40 binades, a zero block, inf and NaN: bit for bit."""
-    from dsv4rt.model import fp8
-    rng = np.random.default_rng(7)
-    x = bf16_grid(rng.standard_normal((33, 300)).astype(np.float32) * 2.0 ** rng.integers(-20, 20, (33, 1)))
-    x[3, :128] = 0
-    x[5, 7], x[6, 200], x[6, 201] = np.inf, np.nan, -np.inf
-    dx = upload(rt, x.astype(BF16))
-    fp8.act_quant(rt.device, BF16, 0, 0, dx.ptr, *x.shape, rounded=dx.ptr)(rt.stream)
-    y = fetch(rt, dx, x.shape, BF16).astype(np.float32)
-    want = quant.act_quant(x).astype(BF16).astype(np.float32)
-    assert np.array_equal(np.isnan(y), np.isnan(want))
-    assert np.array_equal(np.nan_to_num(y), np.nan_to_num(want))
-    dx.free()
+def run_fp8_experts(rt, dev, xq, xs, packed, scale, n, k, perm=None, active=1):
+    """moe_fp4.fp8_experts (ungated) on one expert whose rows are all of xq (or perm's gather): float32 [rows, n]."""
+    from dsv4rt.model import moe_fp4
+    from dsv4rt.model.moe import pointer_table
+    m = len(xq) if perm is None else len(perm)
+    tiles = -(-m // 128)
+    tables = [pointer_table(rt.arena, [dev(a).ptr]) for a in (packed, scale)]
+    out = dev(np.full((m, n), np.nan, BF16))
+    moe_fp4.fp8_experts(rt.device, out.ptr, dev(xq).ptr, dev(xs).ptr, (tables[0].ptr, tables[1].ptr), n=n, k=k,
+                        offsets=dev(np.array([0, m], np.int32)).ptr, tile_offsets=dev(np.array([0, tiles], np.int32)).ptr,
+                        experts=1, tiles=tiles, perm=None if perm is None else dev(perm.astype(np.int32)).ptr,
+                        active=active)(rt.stream)
+    got = fetch(rt, out, (m, n), BF16).astype(np.float32)
+    for t in tables:
+        t.free()
+    return got
+
+
+@pytest.mark.parametrize("n, k, rows", [(256, 256, 256), (128, 512, 200), (384, 128, 77)])
+def test_fp8_experts_read_the_checkpoint_layout(rt, dev, n, k, rows):
+    """The prefill kernel on one-hot rows: out = Wᵀ bit for bit (each value e2m1 · 2^s, exact in bf16) for scales over
+    15 binades: nibble order, scales, the e4m3 re-expression, the swizzle and each row's exponent. 200 and 77 rows end
+    in a short tile."""
+    skip_without_wgmma(rt)
+    rng = np.random.default_rng(n + k + rows)
+    packed = rng.integers(0, 256, (n, k // 2), dtype=np.uint8).view(np.int8)
+    scale = rng.integers(113, 128, (n, k // 32)).astype(np.uint8)
+    xq, xs = one_hot(k)
+    got = run_fp8_experts(rt, dev, xq[:rows], xs[:rows], packed, scale, n, k)
+    assert np.array_equal(got, dequant_fp4(packed, scale).T[:rows].astype(BF16).astype(np.float32))
+
+
+def test_fp8_experts_gather_rows_and_round_wide_scales_within_the_bound(rt, dev):
+    """Rows gathered through perm (300 of 3·512 pairs: three tiles), block scales over 50 binades: off by at most
+    2^(s_max − 143) per weight where a block is more than 14 binades below its group's largest, as the decode kernel,
+    then rounded once to bf16."""
+    skip_without_wgmma(rt)
+    n, k, active = 256, 512, 3
+    rng = np.random.default_rng(5)
+    packed = rng.integers(0, 256, (n, k // 2), dtype=np.uint8).view(np.int8)
+    scale = rng.integers(90, 140, (n, k // 32)).astype(np.uint8)
+    perm = rng.permutation(k * active)[:300]
+    got = run_fp8_experts(rt, dev, *one_hot(k), packed, scale, n, k, perm=perm, active=active)
+    s = np.repeat(scale.astype(np.int64), 32, axis=1)
+    s_max = np.repeat(scale.reshape(n, -1, 4).max(axis=2).astype(np.int64), 128, axis=1)
+    bound = np.where(s >= s_max - 14, 0.0, np.ldexp(1.0, s_max - 143)).T[perm // active]
+    want = dequant_fp4(packed, scale).T[perm // active].astype(np.float64)
+    assert (bound > 0).mean() > 0.1
+    assert np.all(np.abs(got - want) <= bound + np.abs(want) * 2.0 ** -8)
 
 
 @pytest.mark.gpu
@@ -270,14 +305,14 @@ def test_act_quant_rounded_is_act_quant_dequantised(rt):
 @pytest.mark.parametrize("layer_name, tokens", [("flash", 200), ("flash", 700), ("wide", 300)])
 def test_wgmma(rt, blas, request, layer_name, tokens, hashed):
     """Experts of one partial to several 128-row tiles (700 x 6 of 32: 131 rows on average), and block scales over
-    21 binades (wide), which the widening to bf16 keeps exact. The more pairs, the likelier act_quant of the hidden
+    21 binades (wide). The more pairs, the likelier act_quant of the hidden
     row rounds one element the other way than numpy, whose sums differ in the last bits (H200: one token of 700 at
     1.6e-2): the worst row may sit at 3e-2."""
     skip_without_wgmma(rt)
     moe = run_and_compare(rt, blas, request.getfixturevalue(layer_name), BF16, tokens, hashed, seed=4000 + tokens,
                           path="wgmma", worst=3e-2)
     names = [launch.kernel.name for launch in moe.launches if hasattr(launch, "kernel")]
-    assert "moe_gemm_wgmma<true,true>" in names and "moe_gemm_wgmma<false,true>" in names
+    assert "moe_fp8_wgmma<true>" in names and "moe_fp8_wgmma<false>" in names
 
 
 

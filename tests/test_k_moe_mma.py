@@ -2,11 +2,14 @@
 against a float64 grouped GEMM on hand-made sorts (experts of 0, 1, 7, 63, 64, 130 and 200 rows, column tiles past n,
 1 to 8 k steps), gated and not, gathered and not; then in the whole MoE layer against reference.moe.MoE at Flash-like
 widths; and which kernel a layer takes."""
+import re
+
 import numpy as np
 import pytest
 
 from conftest import rel_rows, skip_without_wgmma
 from moe_cases import BF16, fetch, held, ran
+from test_k_gemm_fp8 import kernel_sass, nvdisasm
 from test_k_moe import Layer, build, check_sort
 
 COUNTS = np.array([0, 1, 64, 130, 0, 63, 200, 7])  # rows per expert, 155 tokens x 3 slots
@@ -88,7 +91,7 @@ def test_layer(rt, blas, wide, tokens, hashed, with_shared, path):
         skip_without_wgmma(rt)
     with ran(rt, blas, wide, build, BF16, tokens, hashed, seed=5000 + tokens, with_shared=with_shared,
              path=path) as (moe, x, ids, y):
-        names = ["moe_gemm_wgmma<true,false>", "moe_gemm_wgmma<false,false>"] if path == "wgmma" else \
+        names = ["moe_gemm_wgmma<true>", "moe_gemm_wgmma<false>"] if path == "wgmma" else \
             ["moe_gemm_mma<true>", "moe_gemm_mma<false>"]
         assert [launch.kernel.name for launch in moe.grouped] == names
         ref = wide.reference(hashed, with_shared)
@@ -124,3 +127,22 @@ def test_fp4_path(tokens, dim, inter, dtype, arch, path):
     from dsv4rt.model.moe import MoeDims
     from dsv4rt.model.moe_fp4 import fp4_path
     assert fp4_path(arch, dtype, MoeDims(tokens, dim, inter, 32, 6, inter)) == path
+
+
+@pytest.mark.skipif(nvdisasm() is None, reason="no nvdisasm on PATH or in the nvidia wheels")
+def test_wgmma_step_keeps_its_copy_pointers(tmp_path, monkeypatch):
+    """moe_gemm_wgmma's k step as dsv4rt builds it for sm_90a, from its barrier to its last wgmma: twelve weight-row
+    copies (a's come before the barrier) from pointers held across the loop. When ptxas recomputed each row's 64-bit
+    product there instead (IMAD.WIDE.U32), a step took 176 instructions and the bf16 8K prefill's experts 37.6 ms
+    against 30.1 (ncu, H200); it takes 102."""
+    module, sass = kernel_sass(tmp_path, monkeypatch, "moe_wgmma")
+    bodies = dict(re.findall(r"//-+ \.text\.(\S+) -+\n(.*?)(?=//-+ \.text\.|\Z)", sass, re.S))
+    assert sorted(bodies) == sorted(module.lowered.values())
+    for symbol, body in bodies.items():
+        ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", body)
+        start = next(i for i, op in enumerate(ops) if op.startswith("BAR.SYNC"))
+        end = next(i for i in range(start, len(ops)) if "HGMMA" in ops[i] and "gsb0" in ops[i])
+        step = [op for op in ops[start:end + 1] if not op.startswith("NOP")]
+        assert sum(op.startswith("LDGSTS") for op in step) == 12, symbol
+        assert not any("IMAD.WIDE.U32" in op for op in step), symbol
+        assert len(step) <= 120, (symbol, len(step))

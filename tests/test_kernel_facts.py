@@ -79,7 +79,8 @@ def _facts():
     yield "compress.MMA_STAGES", compress.MMA_STAGES, idx["kStages"]
     yield "compress.MMA_BLOCKS_PER_SM", compress.MMA_BLOCKS_PER_SM, launch_bounds("indexer.cu", "indexer_scores_mma")[1]
     yield "compress.MMA_FP4_STAGES", compress.MMA_FP4_STAGES, idx["kFp4Stages"]
-    yield "compress.Q_THREADS", compress.Q_THREADS, launch_bounds("indexer.cu", "indexer_q_fp4")[0]
+    yield "compress.Q_THREADS", compress.Q_THREADS, launch_bounds("indexer_q.cu", "indexer_q_fp4")[0]
+    yield "compress.Q_THREADS (128)", compress.Q_THREADS, launch_bounds("indexer_q.cu", "indexer_q_fp4_128")[0]
     yield "compress.CLUSTER", compress.CLUSTER, idx["kCluster"]
     yield "compress.SELECT_THREADS", compress.SELECT_THREADS, idx["kSelectThreads"]
     yield "fp8.BLOCK", fp8.BLOCK, constants("fp8.cuh")["kFp8Block"]
@@ -93,6 +94,13 @@ def _facts():
     yield "hc.TOK", hc.TOK, hcs["kHcTok"]
     yield "hc.DECODE_THREADS", hc.DECODE_THREADS, hcs["kPreThreads"]
     yield "hc.HCS", set(hc.HCS), {int(a) for a in template_args("hc.cu", "hc_pre", 1)}
+    yield "hc.HCS (mma)", set(hc.HCS), {int(a) for a in template_args("hc_mma.cu", "hc_project_mma", 0)}
+    pm = constants("hc_mma.cu")
+    yield "hc.PROJECT_TOKENS", hc.PROJECT_TOKENS, pm["kPmTokens"]
+    yield "hc.PROJECT_K", hc.PROJECT_K, pm["kPmK"]
+    yield "hc.PROJECT_STAGES", hc.PROJECT_STAGES, pm["kPmStages"]
+    yield "hc.PROJECT_THREADS", hc.PROJECT_THREADS, launch_bounds("hc_mma.cu", "hc_project_mma")[0]
+    yield "hc.DECODE_THREADS (finish)", hc.DECODE_THREADS, launch_bounds("hc.cu", "hc_pre_finish")[0]
     yield "hc.DECODE_TOKENS", set(hc.DECODE_TOKENS), {int(a) for a in template_args("hc.cu", "hc_pre_decode", 2)}
     yield "moe.MAX_EXPERTS", moe.MAX_EXPERTS, mo["kMaxExperts"]
     yield "moe.MAX_ACTIVE", moe.MAX_ACTIVE, mo["kMaxActive"]
@@ -109,6 +117,12 @@ def _facts():
     yield "moe_fp4.BLOCK", moe_fp4.BLOCK, fp4["kFp4Block"]
     yield "moe_fp4.MAX_WARPS", moe_fp4.MAX_WARPS, fp4["kFp4MaxWarps"]
     yield "moe_fp4.IN_FLIGHT", moe_fp4.IN_FLIGHT, fp4["kFp4InFlight"]
+    f8 = constants("moe_wgmma_fp8.cu")
+    for name, cuda in (("COLS", "Cols"), ("THREADS", "Threads"), ("STAGES", "Stages"), ("PRODUCERS", "Producers"),
+                       ("SHARED", "Shared"), ("MULTIPLE", "K")):
+        yield f"moe_fp4.FP8_{name}", getattr(moe_fp4, f"FP8_{name}"), f8[f"kF8{cuda}"]
+    yield "moe.WGMMA_ROWS (fp8 experts)", moe.WGMMA_ROWS, f8["kF8Rows"]
+    yield "moe_fp8_wgmma threads", moe_fp4.FP8_THREADS, launch_bounds("moe_wgmma_fp8.cu", "moe_fp8_wgmma")[0]
     yield "sample.THREADS", sample.THREADS, launch_bounds("sample.cu", "sample_tokens")[0]
     yield "sample.CLUSTERS", {c for _, c in sample.CLUSTERS} | {1}, {int(a) for a in template_args("sample.cu", "sample_tokens", 0)}
     yield "entries.KV_BLOCK", entries.KV_BLOCK, constants("kv_fp8.cuh")["kKvBlock"]

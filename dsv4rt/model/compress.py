@@ -5,7 +5,7 @@ import ctypes
 
 import numpy as np
 
-from ..cuda.build import WGMMA_ARCH
+from ..cuda.build import WGMMA_ARCH, declared
 from ..cuda.device import Device, Launch
 from ..cuda.ops import storage_name
 from ..kv.entries import indexer_entry_bytes, kv_entry_bytes, packed_kv
@@ -27,15 +27,17 @@ CLUSTER_ROWS = 2          # beyond, one block a row (H200, flash-slice 8K prefil
 SELECT_THREADS = 512
 CANDIDATES = 3072         # top-k candidates a block holds in shared memory (24 KB)
 MAX_GRID_Y = 65535
-# indexer_wgmma.cu: kRows rows a block, its dynamic shared memory (q tile, 4 key tiles of 128, alignment); taken for
-# steps of at least WGMMA_MIN_ROWS rows, where consecutive rows share their request (prefill chunks)
+# indexer_wgmma.cu: kRows rows a block, its dynamic shared memory (q tile, 4 key tiles of 128, alignment; fp4 keys: one
+# bf16 key tile and 4 raw tiles of 68-byte entries); taken for steps of at least WGMMA_MIN_ROWS rows, where
+# consecutive rows share their request (prefill chunks)
 WGMMA_ROWS, WGMMA_SHARED, WGMMA_MIN_ROWS = 4, 4 * 64 * 256 + 4 * 128 * 256 + 1024, 512
+WGMMA_FP4_SHARED = 4 * 64 * 256 + 128 * 256 + 4 * 128 * 68 + 1024
 
 _POOL = ("compress_pool<float>", "compress_pool<__nv_bfloat16>", "compress_pool<float,true>",
          "compress_pool<__nv_bfloat16,true>", "compress_pool<float,false,true>")
 _INDEXER = ("indexer_scores<float>", "indexer_scores<__nv_bfloat16>", "indexer_scores_mma<false>", "indexer_topk<8>",
-            "indexer_q_fp4<float>", "indexer_q_fp4<__nv_bfloat16>", "indexer_scores<float,true>",
-            "indexer_scores<__nv_bfloat16,true>", "indexer_scores_mma<true>", "indexer_topk<1>")
+            "indexer_scores<float,true>", "indexer_scores<__nv_bfloat16,true>", "indexer_scores_mma<true>",
+            "indexer_topk<1>")
 
 
 def hadamard_size(dim: int) -> int:
@@ -111,10 +113,10 @@ def indexer_select(device: Device, dtype, selected: int, scores: int, q: int, w:
     [rows, n_max], n_max at least every row's visible count (pos+1)//ratio (the kernels clamp to it).
     selected: int32 [rows, topk], the min(topk, visible) best entries in ascending index order, ties
     toward the lower index, then -1. The bf16 build at head_dim 128 scores on the tensor cores (q rounded to
-    bf16 after the rope): on wgmma, 4 rows a block, for steps of WGMMA_MIN_ROWS rows or more with 64 heads and bf16
-    keys on sm_90a; the others in exact float32.
+    bf16 after the rope): on wgmma, 4 rows a block, for steps of WGMMA_MIN_ROWS rows or more with 64 heads on
+    sm_90a; the others in exact float32.
     fp4_keys (faithful numerics): keys holds packed entries (indexer_entry_bytes; 4-byte aligned for the
-    tensor-core kernel). A kernel of its own first ropes q (as above), rotates and rounds it in place to the
+    tensor-core kernels). A kernel of its own first ropes q (as above), rotates and rounds it in place to the
     values of reference.quant.indexer_round (exact in bf16); the scores dequantise the keys exactly.
     """
     if not (0 < heads <= INDEX_HEADS and head_dim % 8 == 0 and 0 <= rope_dim <= head_dim and rope_dim % 2 == 0):
@@ -130,20 +132,25 @@ def indexer_select(device: Device, dtype, selected: int, scores: int, q: int, w:
     launches = []
     name = storage_name(dtype)
     if fp4_keys:
-        rotate = device.kernel("indexer", f"indexer_q_fp4<{name}>", _INDEXER)
         rope = rope_dim if inv_freq else 0
-        launches.append(rotate.bind(rows, Q_THREADS, [
-            ctypes.c_void_p(q), ctypes.c_void_p(positions), ctypes.c_void_p(req), ctypes.c_void_p(inv_freq or 0),
-            ctypes.c_int(rope), ctypes.c_int(heads), ctypes.c_int(head_dim)],
-            shared=(rope + Q_THREADS // 32 * hadamard_size(head_dim)) * 4))   # rope table, a row per warp
+        args = [ctypes.c_void_p(q), ctypes.c_void_p(positions), ctypes.c_void_p(req), ctypes.c_void_p(inv_freq or 0),
+                ctypes.c_int(rope), ctypes.c_int(heads)]
+        if head_dim == MMA_DIM:   # a head in a warp's registers (indexer_q_fp4_128)
+            rotate = device.kernel("indexer_q", f"indexer_q_fp4_128<{name}>", declared("indexer_q"))
+            launches.append(rotate.bind(rows, Q_THREADS, args))
+        else:
+            rotate = device.kernel("indexer_q", f"indexer_q_fp4<{name}>", declared("indexer_q"))
+            launches.append(rotate.bind(rows, Q_THREADS, [*args, ctypes.c_int(head_dim)],
+                                        shared=(rope + Q_THREADS // 32 * hadamard_size(head_dim)) * 4))  # rope table, rows
         inv_freq = None   # q is roped
     common = [*keys.args(), ctypes.c_void_p(positions), ctypes.c_void_p(req), ctypes.c_void_p(inv_freq or 0),
               ctypes.c_int(rope_dim if inv_freq else 0), ctypes.c_int(heads)]
     tiles = max(1, -(-n_max // KEY_TILE))
-    wgmma = mma and not fp4_keys and heads == INDEX_HEADS and rows >= WGMMA_MIN_ROWS and device.arch == WGMMA_ARCH
+    wgmma = mma and heads == INDEX_HEADS and rows >= WGMMA_MIN_ROWS and device.arch == WGMMA_ARCH
     if wgmma:
-        score = device.kernel("indexer_wgmma", "indexer_scores_wgmma", ("indexer_scores_wgmma",))
-        shared, groups = WGMMA_SHARED, -(-rows // WGMMA_ROWS)
+        score = device.kernel("indexer_wgmma", f"indexer_scores_wgmma<{'true' if fp4_keys else 'false'}>",
+                              declared("indexer_wgmma"))
+        shared, groups = WGMMA_FP4_SHARED if fp4_keys else WGMMA_SHARED, -(-rows // WGMMA_ROWS)
         splits = min(-(-n_max // (2 * KEY_TILE)), max(1, -(-4 * device.sm_count // groups)))  # even waves
         score_args = [ctypes.c_void_p(scores), ctypes.c_void_p(q), ctypes.c_void_p(w), *common[:-1],
                       ctypes.c_int(rows), ctypes.c_int(n_max), ctypes.c_int(ratio)]

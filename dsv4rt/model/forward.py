@@ -145,6 +145,7 @@ class GpuModel:
             numerics=self.numerics, fp8_attention=self.fp8_attention, fp4_experts=self.fp4_experts,
             fp8_wo_a=fp8_wo_a, scores_budget=self.scores_budget, arch=self.rt.device.arch))
         self.ws.ptr.update(self.inputs.pointers(self.ws["inputs"]))
+        self.fp8_xn = "xn_q" in self.ws.ptr   # fp8 linear layers read xn: hc.pre quantises it (GpuModel._hc_pre)
         zeros = np.zeros(hc_k.pre_workspace_bytes(T, c.hc_mult, c.hidden_size), np.uint8)   # its counters start at 0
         self.ws.buffer.copy_from_host(zeros, self.rt.stream, offset=self.ws["hc_pre"] - self.ws.buffer.ptr)
 
@@ -250,7 +251,7 @@ class GpuModel:
         """Block i on the streams in ws[self.streams]; its last hc_post may be left to the next _hc_pre (_hc_post)."""
         c, ws, st, dev, dt, W = self.cfg, self.ws, self.rt.stream, self.rt.device, self.dtype, self.w
         p = f"layers.{i}."
-        self._hc_pre(p + "hc_attn", p + "attn_norm.weight", T)
+        self._hc_pre(p + "hc_attn", p + "attn_norm.weight", T, quantise=self.fp8_xn)
         a = p + "attn."
         hd, H, rd = c.head_dim, c.num_heads, c.rope_dim
         kind, ratio = c.kinds[i], c.ratios[i]
@@ -264,14 +265,14 @@ class GpuModel:
             self._compress(a + "compressor.", compressed, self.cache(state, i), i, T, hd, ratio, kind == CSA,
                            ws["a"], ws["z"], self.side_blas, self.side, fp8_kv=self.faithful)
             joins.append(self.side.record(self.side_done))
-        self._linear(a + "wq_a.weight", "xn", "qa", T, c.q_lora_rank, c.hidden_size)(st)
+        self._linear(a + "wq_a.weight", "xn", "qa", T, c.q_lora_rank, c.hidden_size, quantized=self.fp8_xn)(st)
         ops.rmsnorm(dev, dt, ws["qr"], ws["qa"], W[a + "q_norm.weight"].ptr, T, c.q_lora_rank, c.eps)(st)
         if kind == CSA:
             st.record(self.q_ready)       # before the indexer stream's wait for it is issued
             joins.append(self._indexer(i, T))
             selected = ws["selected"]
         self._linear(a + "wq_b.weight", "qr", "q", T, H * hd, c.q_lora_rank)(st)
-        self._linear(a + "wkv.weight", "xn", "kv", T, hd, c.hidden_size, quantized=True)(st)   # xn's from wq_a
+        self._linear(a + "wkv.weight", "xn", "kv", T, hd, c.hidden_size, quantized=True)(st)   # xn's, as wq_a's
         window = self.cache("window", i)
         attn_k.qkv_norm_rope_insert(dev, dt, ws["q"], ws["kv"], W[a + "kv_norm.weight"].ptr, ws["pos"], ws["req"],
                                     self.inv_freq[i], window, rows=T, heads=H, head_dim=hd, rope_dim=rd, eps=c.eps,
@@ -286,7 +287,8 @@ class GpuModel:
         self._output_projection(a + "wo_a.weight", T)(st)
         self._linear(a + "wo_b.weight", "t", "f", T, c.hidden_size, c.o_groups * c.o_lora_rank)(st)
         self._hc_post(T)
-        self._hc_pre(p + "hc_ffn", p + "ffn_norm.weight", T)
+        quantised = self.fp4_experts and self.fp8_xn   # the released MoE reads hc.pre's act_quant(xn)
+        self._hc_pre(p + "hc_ffn", p + "ffn_norm.weight", T, quantise=quantised)
         f = p + "ffn."
         hashed = c.hash_layers[i]
         dims = MoeDims(T, c.hidden_size, c.moe_inter, c.n_experts, c.n_active, self.moe_dims.shared_inter)
@@ -294,7 +296,8 @@ class GpuModel:
             dev, self.blas, dt, dims, x=ws["xn"], y=ws["f"], gate=W[f + "gate.weight"].ptr,
             routed=self.expert_tables[i], shared=self.shared_experts[i], scaling=c.routed_scaling,
             limit=c.swiglu_limit, workspace=ws["moe"], bias=None if hashed else W[f + "gate.bias"].ptr,
-            tid2eid=W[f + "gate.tid2eid"].ptr if hashed else None, ids=ws["ids"] if hashed else None)(st)
+            tid2eid=W[f + "gate.tid2eid"].ptr if hashed else None, ids=ws["ids"] if hashed else None,
+            **({"x_quantized": (ws["xn_q"], ws["xn_s"])} if quantised else {}))(st)
         self._hc_post(T)
 
     def _linear(self, weight: str, x: str, y: str, m: int, n: int, k: int, blas: Blas | None = None, *,
@@ -376,7 +379,9 @@ class GpuModel:
     def _mix(self) -> tuple[int, int]:
         return tuple(self.ws[m + ("" if self.streams == "X" else "_b")] for m in ("post", "comb"))
 
-    def _hc_pre(self, hc: str, norm: str, T: int):
+    def _hc_pre(self, hc: str, norm: str, T: int, quantise: bool):
+        """The next sublayer's input: ws[u] and its norm ws[xn]; with quantise also act_quant(xn) into ws[xn_q],
+        ws[xn_s]."""
         c, ws, dev, W = self.cfg, self.ws, self.rt.device, self.w
         fused = None
         if self.post_pending:
@@ -385,8 +390,9 @@ class GpuModel:
             self.post_pending = False
         hc_k.pre(dev, self.dtype, ws["u"], *self._mix(), ws[self.streams], W[hc + "_fn"].ptr,
                  W[hc + "_base"].ptr, W[hc + "_scale"].ptr, T, c.hc_mult, c.hidden_size, c.eps, c.hc_eps, c.hc_iters,
-                 xn=ws["xn"], norm=W[norm].ptr, norm_eps=c.eps, workspace=ws["hc_pre"],
-                 fused_post=fused)(self.rt.stream)
+                 xn=ws["xn"], norm=W[norm].ptr, norm_eps=c.eps, workspace=ws["hc_pre"], fused_post=fused,
+                 xq=ws["xn_q"] if quantise else 0, xs=ws["xn_s"] if quantise else 0)(
+            self.rt.stream)
 
     def _hc_post(self, T: int):
         self.post_pending = True

@@ -31,15 +31,14 @@ def scale_columns(k: int) -> int:
     return -(-k // BLOCK)
 
 
-def act_quant(device: Device, dtype, q: int, scale: int, x: int, rows: int, k: int, *, rounded: int = 0) -> Launch:
+def act_quant(device: Device, dtype, q: int, scale: int, x: int, rows: int, k: int) -> Launch:
     """q [rows, k] e4m3 and scale [rows, ceil(k/128)] e8m0 from x [rows, k] (float32 or bfloat16), bit for bit
-    the reference's rounding; with `rounded` also (or, q 0, only) the values they stand for, rounded [rows, k] in
-    x's dtype (exact; it may be x). Any k; rows of 4·k elements aligned to 16 bytes take vector loads."""
+    the reference's rounding. Any k; rows of 4·k elements aligned to 16 bytes take vector loads."""
     if rows == 0 or k == 0:
         return NOTHING
     kernel = device.kernel("fp8", f"act_quant<{storage_name(dtype)}>", declared("fp8"))
     tasks = rows * scale_columns(k)
-    args = [*(ctypes.c_void_p(p) for p in (q, scale, rounded, x)), ctypes.c_int(rows), ctypes.c_int(k)]
+    args = [*(ctypes.c_void_p(p) for p in (q, scale, x)), ctypes.c_int(rows), ctypes.c_int(k)]
     return kernel.bind(-(-tasks // QUANT_WARPS), 32 * QUANT_WARPS, args)
 
 

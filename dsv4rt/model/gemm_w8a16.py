@@ -1,6 +1,6 @@
 """Launcher for cuda_src/gemm_w8a16.cu: the faithful-mode output projection wo_a of prefill batches on Hopper's tensor
-cores (wgmma, sm_90a only), bf16 activations times the checkpoint's e4m3 weight widened in shared memory, so that
-the weight is never expanded into a scratch buffer (twin: the grouped GEMM on fp8.dequantize's weight)."""
+cores (wgmma, sm_90a only), bf16 activations times the checkpoint's e4m3 weight widened in registers, so that the
+weight is never expanded into a scratch buffer (twin: the grouped GEMM on fp8.dequantize's weight)."""
 from __future__ import annotations
 
 import ctypes
@@ -11,10 +11,10 @@ from ..cuda.ops import storage_name
 from .fp8 import BLOCK
 from .paged import NOTHING
 
-# gemm_w8a16.cu's kW8Rows, kW8Cols, kW8K, kW8Stages, kW8Threads
-ROWS, COLS, K_STEP, STAGES, THREADS = 128, 256, 64, 4, 256
-# its stages of x and raw weight bytes, two widened bf16 tiles, and 1024 to align the swizzled tiles
-SHARED = STAGES * (ROWS * K_STEP * 2 + COLS * K_STEP) + 2 * COLS * K_STEP * 2 + 1024
+# gemm_w8a16.cu's kW8Rows (rows of x a block), kW8Cols (weight rows a block), kW8K, kW8Stages, kW8Threads
+ROWS, COLS, K_STEP, STAGES, THREADS = 256, 128, 64, 5, 256
+# its stages of x (bf16) and raw weight bytes (e4m3), and 1024 to align the swizzled tiles: 201 KiB of the 227
+SHARED = STAGES * (ROWS * K_STEP * 2 + COLS * K_STEP) + 1024
 
 
 def w8a16_fits(arch: str, dtype, n: int, k: int) -> bool:
@@ -40,4 +40,4 @@ def w8a16_gemm(device: Device, y: int, x: int, w: int, w_scale: int, m: int, n: 
     kernel = device.kernel("gemm_w8a16", "w8a16_gemm", declared("gemm_w8a16"))
     kernel.allow_shared(SHARED)
     args = [*(ctypes.c_void_p(p) for p in (y, x, w, w_scale)), *(ctypes.c_int(v) for v in (m, n, k))]
-    return kernel.bind((-(-n // COLS), -(-m // ROWS), groups), THREADS, args, shared=SHARED)
+    return kernel.bind((n // COLS, -(-m // ROWS), groups), THREADS, args, shared=SHARED)

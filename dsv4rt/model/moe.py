@@ -27,11 +27,9 @@ SKINNY_ROWS, SKINNY_WARPS, SKINNY_W = 8, 4, 4  # moe.cu's kSkinnyRows, kSkinnyWa
 MMA_ROWS, MMA_COLS, MMA_K, MMA_STAGES, MMA_WARPS = 64, 256, 32, 4, 4
 MMA_SHARED = MMA_STAGES * (MMA_ROWS + MMA_COLS) * (MMA_K + 8) * 2
 MMA_MULTIPLE = 64
-# moe_wgmma.cu's kWgRows, kWgCols, kWgK, kWgStages, kWgThreads and kWgShared<false>, kWgShared<true>
+# moe_wgmma.cu's kWgRows, kWgCols, kWgK, kWgStages, kWgThreads and its dynamic shared memory
 WGMMA_ROWS, WGMMA_COLS, WGMMA_K, WGMMA_STAGES, WGMMA_THREADS = 128, 256, 64, 4, 256
-_WG_A, _WG_B, _WG_RAW = WGMMA_ROWS * WGMMA_K * 2, WGMMA_COLS * WGMMA_K * 2, WGMMA_COLS * (WGMMA_K // 2 + 4)
-WGMMA_SHARED = {False: WGMMA_STAGES * (_WG_A + _WG_B) + 1024,
-                True: WGMMA_STAGES * (_WG_A + _WG_RAW) + 2 * _WG_B + 1024}
+WGMMA_SHARED = WGMMA_STAGES * (WGMMA_ROWS + WGMMA_COLS) * WGMMA_K * 2 + 1024
 # With tensor cores the tiled path reads each expert once however many rows it has, the skinny kernel once per 8:
 # skinny only while experts average at most this many rows (without, while they average at most 16).
 SKINNY_MEAN_TENSOR, SKINNY_MEAN = 4, 16
@@ -162,37 +160,29 @@ def mma_fits(dtype, n: int, k: int) -> bool:
 
 def grouped_mma(device: Device, dtype, out: int, a: int, perm: int | None, active: int, weight: int | None,
                 w_first: int, w_second: int | None, offsets: int, tile_offsets: int, experts: int, tiles: int,
-                n: int, k: int, limit: float, *, wgmma: bool = False,
-                scales: tuple[int, int | None] | None = None) -> Launch:
+                n: int, k: int, limit: float, *, wgmma: bool = False) -> Launch:
     """moe_gemm<bf16, 64, GATED>'s grouped GEMM on the tensor cores, GATED when w_second is given: out [rows, n] over
     the rows sorted by moe_sort into row tiles (`tiles` of them at most) of WGMMA_ROWS (wgmma, cuda_src/moe_wgmma.cu,
-    sm_90a) or MMA_ROWS (mma.sync, cuda_src/moe_mma.cu). With `scales` (the scale tables of w_first and w_second;
-    wgmma only) the weights are packed e2m1 with e8m0 scales per 32 columns, `a` holds act_quant's rounded values, and a
-    GATED output is rounded as act_quant would round it (moe_wgmma.cu)."""
+    sm_90a) or MMA_ROWS (mma.sync, cuda_src/moe_mma.cu)."""
     if not mma_fits(dtype, n, k):
         raise ValueError(f"the tensor-core grouped GEMM takes bf16 operands with n and k multiples of {MMA_MULTIPLE}, "
                          f"not {np.dtype(dtype)} with n {n}, k {k}")
-    fp4 = scales is not None
-    if fp4 and (not wgmma or k % 128):
-        raise ValueError(f"the e2m1 grouped GEMM runs on wgmma with k a multiple of 128, got k {k}")
     gated = w_second is not None
     if gated and (perm is None or weight is None):
         raise ValueError("the gated GEMM scales its rows by their routing weight[perm[row]]")
     P, I = ctypes.c_void_p, ctypes.c_int
     g = "true" if gated else "false"
     if wgmma:
-        fn = device.kernel("moe_wgmma", f"moe_gemm_wgmma<{g},{'true' if fp4 else 'false'}>", declared("moe_wgmma"))
-        cols, threads, shared = WGMMA_COLS, WGMMA_THREADS, WGMMA_SHARED[fp4]
-        s_first, s_second = scales or (0, None)
+        fn = device.kernel("moe_wgmma", f"moe_gemm_wgmma<{g}>", declared("moe_wgmma"))
+        cols, threads, shared = WGMMA_COLS, WGMMA_THREADS, WGMMA_SHARED
     else:
         fn = device.kernel("moe_mma", f"moe_gemm_mma<{g}>", declared("moe_mma"))
         cols, threads, shared = MMA_COLS, 32 * MMA_WARPS, MMA_SHARED
     fn.allow_shared(shared)
     cols = cols // 2 if gated else cols
-    weights = [P(w_first), P(w_second or 0)] + ([P(s_first), P(s_second or 0)] if wgmma else [])
     return fn.bind((-(-n // cols), tiles), threads, [
-        P(out), P(a), P(perm or 0), I(active), P(weight or 0), *weights, P(offsets), P(tile_offsets), I(experts),
-        I(n), I(k), ctypes.c_float(limit)], shared=shared)
+        P(out), P(a), P(perm or 0), I(active), P(weight or 0), P(w_first), P(w_second or 0), P(offsets),
+        P(tile_offsets), I(experts), I(n), I(k), ctypes.c_float(limit)], shared=shared)
 
 
 def shared_expert(device: Device, blas: Blas, dtype, d: MoeDims, at: dict[str, int], x: int, shared: ExpertWeights,
