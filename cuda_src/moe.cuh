@@ -26,19 +26,19 @@ __device__ __forceinline__ void tile_sources(const T* (&src)[N], bool (&ok)[N], 
     }
 }
 
-// Weight row j of a tile of output columns from col0, in expert e's matrix of row_len elements of T a row (pointer
-// tables first, second): GATED interleaves w1 and w3 8 rows at a time, the layout gated_pair reads. Rows past n: ok
-// false, and the address of row 0. How the pointers are formed decides whether ptxas keeps them across the main loop
-// or recomputes each row's product every step: moe_gemm_wgmma's step grew by about 100 instructions and the kernel
-// by a quarter of its time when the length was a size_t and the chunk offset was added in T
-// (tests/test_kernel_facts.py counts the step).
-template <bool GATED, typename T = unsigned char>
-__device__ __forceinline__ const T* tile_weight_row(const unsigned long long* first, const unsigned long long* second,
-                                                    int e, int j, int col0, int n, int row_len, bool& ok) {
+// Weight row j of a tile of output columns from col0, in expert e's matrix of row_bytes-long rows (pointer tables
+// first, second): GATED interleaves w1 and w3 8 rows at a time, the layout gated_pair reads. Rows past n: ok false,
+// and the address of row 0. An int row_bytes, and chunk offsets added in bytes by the callers, let ptxas keep the
+// pointers across the main loop: with a size_t length it recomputed each row's product every step, and
+// moe_gemm_wgmma took a quarter longer (tests/test_k_moe_mma.py counts the step).
+template <bool GATED>
+__device__ __forceinline__ const unsigned char* tile_weight_row(const unsigned long long* first,
+                                                                const unsigned long long* second, int e, int j,
+                                                                int col0, int n, int row_bytes, bool& ok) {
     const int c = col0 + (GATED ? (j >> 4) * 8 + (j & 7) : j);
     ok = c < n;
     const unsigned long long* table = GATED && (j >> 3 & 1) ? second : first;
-    return reinterpret_cast<const T*>(table[e]) + (ok ? static_cast<size_t>(c) * row_len : 0);
+    return reinterpret_cast<const unsigned char*>(table[e]) + (ok ? static_cast<size_t>(c) * row_bytes : 0);
 }
 
 // A gated tile's clamped SwiGLU times the routing weight `scale` for output columns 8p + 2·(lane % 4) and the next of

@@ -47,7 +47,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     bool b_ok[B_COPIES];
 #pragma unroll
     for (int i = 0; i < B_COPIES; ++i) {
-        b_src[i] = tile_weight_row<GATED, T>(w_first, w_second, e, copy_row + 32 * i, col0, n, k, b_ok[i]) + part;
+        b_src[i] = reinterpret_cast<const T*>(
+            tile_weight_row<GATED>(w_first, w_second, e, copy_row + 32 * i, col0, n, 2 * k, b_ok[i]) + 2 * part);
     }
     const unsigned sa_copy = smem_u32(sa + copy_row * kMmaStride + part);
     const unsigned sb_copy = smem_u32(sb + copy_row * kMmaStride + part);
